@@ -1,0 +1,16 @@
+"""eeserve: an inference and serving engine for early-exit LLMs."""
+
+from eeserve.config import EngineConfig
+from eeserve.llm import LLM
+from eeserve.outputs import CompletionOutput, ExitStats, RequestOutput
+from eeserve.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "ExitStats",
+    "RequestOutput",
+    "SamplingParams",
+]
+__version__ = "0.1.0"

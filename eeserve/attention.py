@@ -1,0 +1,134 @@
+"""Paged attention on top of PyTorch SDPA, and the per-step metadata it reads.
+
+Contract: ``PagedKVCache`` owns the K/V pool tensors (``[layers, slots, kv_heads, head_dim]``,
+slot = block_id * block_size + offset). ``attend`` first writes the rows' new K/V at their
+slots, then computes attention of the rows' queries over each sequence's cached context.
+``AttnMeta`` describes one forward pass: which slot each row writes and, per sequence, which
+rows are its queries and which slots form its context. ``subset`` re-targets it to the rows that
+are still running when some have exited early; sequences with no row left drop out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SeqSpan:
+    """One sequence's share of a forward pass."""
+
+    rows: list[int]  # row indices (into the current row set) of this sequence's queries
+    q_positions: list[int]  # their positions in the sequence
+    context_slots: torch.Tensor  # [ctx_len] slots of positions 0..ctx_len-1
+    fresh: bool  # rows are exactly positions 0..ctx_len-1 and nothing was cached before
+
+
+@dataclass
+class AttnMeta:
+    slot_mapping: torch.Tensor  # [N] where each row's K/V goes
+    spans: list[SeqSpan]
+    # Decode fast path (every span has exactly one row, rows in span order): padded gather.
+    gather_slots: torch.Tensor | None = None  # [S, T]
+    key_mask: torch.Tensor | None = None  # [S, 1, 1, T] True where the key exists
+
+    @classmethod
+    def build(cls, spans: list[SeqSpan], slot_mapping: torch.Tensor) -> AttnMeta:
+        meta = cls(slot_mapping, spans)
+        if spans and all(len(s.rows) == 1 for s in spans):
+            lens = [len(s.context_slots) for s in spans]
+            t = max(lens)
+            dev = slot_mapping.device
+            gather = torch.zeros(len(spans), t, dtype=torch.long, device=dev)
+            for i, s in enumerate(spans):
+                gather[i, : lens[i]] = s.context_slots
+            lens_t = torch.tensor(lens, device=dev)
+            meta.gather_slots = gather
+            meta.key_mask = (torch.arange(t, device=dev)[None, :] < lens_t[:, None])[
+                :, None, None, :
+            ]
+        return meta
+
+    def subset(self, keep_rows: list[int]) -> AttnMeta:
+        """Metadata for the rows ``keep_rows`` (indices into the current row set), renumbered."""
+        new_index = {r: i for i, r in enumerate(keep_rows)}
+        spans: list[SeqSpan] = []
+        kept_seq: list[int] = []
+        for si, s in enumerate(self.spans):
+            pairs = [(new_index[r], p) for r, p in zip(s.rows, s.q_positions) if r in new_index]
+            if pairs:
+                spans.append(
+                    SeqSpan([r for r, _ in pairs], [p for _, p in pairs], s.context_slots, False)
+                )
+                kept_seq.append(si)
+        idx = torch.tensor(keep_rows, dtype=torch.long, device=self.slot_mapping.device)
+        meta = AttnMeta(self.slot_mapping[idx], spans)
+        if self.gather_slots is not None and self.key_mask is not None:
+            sel = torch.tensor(kept_seq, dtype=torch.long, device=idx.device)
+            meta.gather_slots = self.gather_slots[sel]
+            meta.key_mask = self.key_mask[sel]
+        return meta
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [N, Hkv, hd] for the slots [N]."""
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta
+    ) -> torch.Tensor:
+        """q: [N, H, hd]; k, v: [N, Hkv, hd] for the same rows. Returns [N, H*hd]."""
+        self.write(layer, meta.slot_mapping, k, v)
+        n, heads, hd = q.shape
+        if meta.gather_slots is not None and meta.key_mask is not None:
+            kc = self.k[layer][meta.gather_slots].transpose(1, 2)  # [S, Hkv, T, hd]
+            vc = self.v[layer][meta.gather_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(2), kc, vc, attn_mask=meta.key_mask, enable_gqa=True
+            )  # [S, H, 1, hd]
+            return o.reshape(n, heads * hd)
+        out = torch.empty(n, heads * hd, dtype=q.dtype, device=q.device)
+        for s in meta.spans:
+            out[s.rows] = self._attend_span(layer, q, k, v, s)
+        return out
+
+    def _attend_span(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: SeqSpan
+    ) -> torch.Tensor:
+        rows = s.rows
+        qs = q[rows[0] : rows[-1] + 1] if _contiguous(rows) else q[rows]
+        qs = qs.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+        if s.fresh:
+            # Whole sequence in this pass: its own K/V are the context, plain causal attention.
+            ks = k[rows[0] : rows[-1] + 1].transpose(0, 1).unsqueeze(0)
+            vs = v[rows[0] : rows[-1] + 1].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        else:
+            kc = self.k[layer][s.context_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, hd]
+            vc = self.v[layer][s.context_slots].transpose(0, 1).unsqueeze(0)
+            t = len(s.context_slots)
+            qpos = torch.tensor(s.q_positions, device=q.device)
+            mask = torch.arange(t, device=q.device)[None, :] <= qpos[:, None]  # [n, T]
+            o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1).reshape(len(rows), -1)
+
+
+def _contiguous(rows: list[int]) -> bool:
+    return rows[-1] - rows[0] + 1 == len(rows)

@@ -1,0 +1,79 @@
+"""Engine configuration: one dataclass, validated, with the derived device and dtype.
+
+Contract: ``EngineConfig`` holds every engine-level option (model, dtype, device, KV budget,
+batching limits, prefix caching, early-exit policy and KV-debt strategy). Invalid values raise
+``ValueError`` naming the field. ``resolved_device``/``resolved_dtype`` turn "auto" into real values:
+float32 on CPU, bfloat16 on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+EXIT_POLICIES = ("per_sequence", "batch_all", "none")
+KV_FILL_STRATEGIES = ("fill", "recompute")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2"
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    # Bytes (int > 1) or a fraction of free memory (float in (0, 1]); device memory on CUDA.
+    kv_cache_memory: float = 512 * 2**20
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    exit_policy: str = "per_sequence"
+    kv_fill: str = "fill"
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        if not self.kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory!r}")
+        if self.exit_policy not in EXIT_POLICIES:
+            raise ValueError(
+                f"exit_policy must be one of {EXIT_POLICIES}, got {self.exit_policy!r}"
+            )
+        if self.kv_fill not in KV_FILL_STRATEGIES:
+            raise ValueError(f"kv_fill must be one of {KV_FILL_STRATEGIES}, got {self.kv_fill!r}")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def kv_cache_bytes(self) -> int:
+        """The KV budget in bytes (a fraction is taken of currently free memory)."""
+        if self.kv_cache_memory > 1:
+            return int(self.kv_cache_memory)
+        device = self.resolved_device()
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+        else:
+            free = _mem_available()
+        return int(free * self.kv_cache_memory)
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")

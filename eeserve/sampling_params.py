@@ -1,0 +1,83 @@
+"""Per-request sampling parameters, validated on construction (``ValueError`` names the field)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """What vLLM users know. ``temperature == 0`` is greedy; ``top_k <= 0`` disables top-k."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            "an integer >= 1",
+            self.max_tokens,
+        )
+        _check(
+            _is_num(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "a number >= 0",
+            self.temperature,
+        )
+        _check(
+            _is_int(self.top_k) and self.top_k >= -1,
+            "top_k",
+            "an integer (-1 or 0 disables it)",
+            self.top_k,
+        )
+        _check(
+            _is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p
+        )
+        _check(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "a list of non-empty strings",
+            self.stop,
+        )
+        _check(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "a list of token ids >= 0",
+            self.stop_token_ids,
+        )
+        _check(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            "an integer in [0, 20] or None",
+            self.logprobs,
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
+
+
+def _check(ok: bool, name: str, expected: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")
