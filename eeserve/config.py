@@ -2,8 +2,8 @@
 
 Contract: ``EngineConfig`` holds every engine-level option (model, dtype, device, KV budget,
 batching limits, prefix caching, early-exit policy and KV-debt strategy). Invalid values raise
-``ValueError`` naming the field. ``resolved_device``/``resolved_dtype`` turn "auto" into real values:
-float32 on CPU, bfloat16 on CUDA.
+``ValueError`` naming the field. ``resolved_device``/``resolved_dtype`` turn "auto" into real
+values: float32 on CPU, bfloat16 on CUDA.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from eeserve.block_manager import BlockManager
 from eeserve.config import EngineConfig
+from eeserve.exits import ExitParams
 from eeserve.loader import load_model, resolve_model
 from eeserve.model_runner import ModelRunner, StepOutput
 from eeserve.outputs import CompletionOutput, ExitStats, RequestOutput
@@ -92,6 +93,7 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        exit_params: ExitParams | None = None,
     ) -> str:
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         if not ids:
@@ -109,7 +111,13 @@ class LLMEngine:
             self._counter += 1
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, params, prompt=prompt if isinstance(prompt, str) else None)
+        seq = Sequence(
+            request_id,
+            ids,
+            params,
+            exit_params,
+            prompt=prompt if isinstance(prompt, str) else None,
+        )
         self._seqs[request_id] = seq
         self._detok[request_id] = _Detok()
         self.scheduler.add(seq)
@@ -154,14 +162,13 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.sampling_params
         det = self._detok[seq.request_id]
-        det.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        det.text = str(self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True))
         if p.stop:
             longest = max(len(s) for s in p.stop)
             start = max(0, det.checked - longest + 1)
-            hits = [(det.text.find(s, start), s) for s in p.stop]
-            hits = [(pos, s) for pos, s in hits if pos >= 0]
-            if hits:
-                det.text = det.text[: min(hits)[0]]
+            found = [i for i in (det.text.find(s, start) for s in p.stop) if i >= 0]
+            if found:
+                det.text = det.text[: min(found)]
                 return "stop"
             det.checked = len(det.text)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):

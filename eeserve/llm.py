@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from eeserve.config import EngineConfig
 from eeserve.engine import LLMEngine
+from eeserve.exits import ExitParams
 from eeserve.outputs import RequestOutput
 from eeserve.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        exit_params: ExitParams | None = None,
     ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -46,7 +48,8 @@ class LLM:
         order: dict[str, int] = {}
         try:
             for i, (p, sp, tok) in enumerate(zip(prompt_list, params, ids)):
-                order[self.engine.add_request(p, sp, prompt_token_ids=tok)] = i
+                rid = self.engine.add_request(p, sp, prompt_token_ids=tok, exit_params=exit_params)
+                order[rid] = i
         except Exception:
             for rid in order:
                 self.engine.abort_request(rid)
@@ -67,6 +70,7 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        exit_params: ExitParams | None = None,
     ) -> list[RequestOutput]:
         convs = (
             [conversations]
@@ -74,7 +78,7 @@ class LLM:
             else conversations
         )
         prompts = [self.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, exit_params=exit_params)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(

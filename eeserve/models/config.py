@@ -51,7 +51,7 @@ class ModelConfig:
             # Treated as full attention: exact as long as sequences stay within the window.
             pass
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        theta = float(d.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        theta = float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         heads = int(d["num_attention_heads"])

@@ -132,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight  # type: ignore[union-attr]
+            self.lm_head.weight = self.model.embed_tokens.weight  # type: ignore[union-attr,assignment]
 
     @property
     def layers(self) -> list[LlamaDecoderLayer]:
