@@ -81,12 +81,15 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, exit_params=exit_params)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_token_ids(self.tokenizer, messages)
+
+
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` rendered with the tokenizer's chat template, ready to answer."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
 
 
 def _per_prompt(

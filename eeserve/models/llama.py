@@ -41,6 +41,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused kernel; bit-identical to the HF arithmetic below in float32.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Same arithmetic as HF: normalise in float32, scale in the input dtype.
         dtype = x.dtype
         xf = x.float()
@@ -69,21 +72,32 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        # Optional dedicated K/V projection (a runner that re-lays weights for its kernels sets
+        # it); by default ``kv`` uses the K/V rows of ``qkv_proj``.
+        self.kv_proj: nn.Module | None = None
 
     def qkv(self, x: torch.Tensor, rot: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: normed hidden [N, D] -> rotated q [N, H, hd], k [N, Hkv, hd], v [N, Hkv, hd]."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), rot)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), rot)
-        return q, k, v.view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # q and k heads rotated together: one set of elementwise ops instead of two.
+        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], rot)
+        return (
+            qk[:, : self.num_heads],
+            qk[:, self.num_heads :],
+            qkv[:, self.num_heads + self.num_kv_heads :],
+        )
 
     def kv(self, x: torch.Tensor, rot: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V only (no query, no attention): what the KV-debt ``fill`` strategy needs."""
         n = x.shape[0]
-        w = self.qkv_proj.weight[self.q_size :]
-        b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size :]
-        k, v = F.linear(x, w, b).split([self.kv_size, self.kv_size], dim=-1)
+        if self.kv_proj is not None:
+            kv = self.kv_proj(x)
+        else:
+            w = self.qkv_proj.weight[self.q_size :]
+            b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size :]
+            kv = F.linear(x, w, b)
+        k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
         k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), rot)
         return k, v.view(n, self.num_kv_heads, self.head_dim)
 

@@ -1,0 +1,205 @@
+"""Command line: ``eeserve fetch | generate | bench | serve``.
+
+Contract: argument parsing and printing only; all work is done by the engine, the loader, the
+benchmark module and the server package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any
+
+from eeserve.config import EXIT_POLICIES, KV_FILL_STRATEGIES
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_default: str | None = "smollm2") -> None:
+    p.add_argument("--model", default=model_default, help="smollm2, an HF folder or a .gguf file")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=512 * 2**20,
+        help="KV pool: bytes, or a fraction (0, 1] of free memory",
+    )
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--exit-policy", default="per_sequence", choices=EXIT_POLICIES)
+    p.add_argument("--kv-fill", default="fill", choices=KV_FILL_STRATEGIES)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        exit_policy=args.exit_policy,
+        kv_fill=args.kv_fill,
+    )
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eeserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("fetch", help="download and convert the default model (once)")
+
+    g = sub.add_parser("generate", help="generate text, streamed to the terminal")
+    add_engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=None,
+        help="confidence threshold for early exit (default: the model's exit config)",
+    )
+    g.add_argument(
+        "--exit-measure",
+        default=None,
+        choices=["softmax_margin", "max_prob", "hidden_cosine", "classifier"],
+    )
+    g.add_argument("--no-exit", action="store_true", help="full depth")
+    g.add_argument("--show-exits", action="store_true", help="annotate tokens with exit layers")
+
+    from eeserve.bench import add_bench_parser
+
+    add_bench_parser(sub)
+    try:
+        from eeserve.server import add_serve_parser
+    except ImportError:  # the server's dependencies are optional for offline use
+        pass
+    else:
+        add_serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = _build_parser().parse_args(argv)
+    try:
+        return int(args.func(args)) if hasattr(args, "func") else _dispatch(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "fetch":
+        from eeserve.loader import fetch_default_model
+
+        print(fetch_default_model())
+        return 0
+    if args.command == "generate":
+        return _generate(args)
+    raise AssertionError(args.command)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from eeserve.config import EngineConfig
+    from eeserve.engine import LLMEngine
+    from eeserve.exits import ExitParams
+    from eeserve.llm import chat_token_ids
+    from eeserve.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=args.model, **engine_options(args)))
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    if args.no_exit:
+        exit_params: ExitParams | None = ExitParams(enabled=False)
+    elif args.exit_threshold is not None or args.exit_measure is not None:
+        exit_params = ExitParams(threshold=args.exit_threshold, measure=args.exit_measure)
+    else:
+        exit_params = None
+    if args.chat:
+        ids = chat_token_ids(engine.tokenizer, [{"role": "user", "content": args.prompt}])
+    else:
+        ids = engine.tokenize(args.prompt)
+    rid = engine.add_request(args.prompt, params, prompt_token_ids=ids, exit_params=exit_params)
+    printer = _StreamPrinter(engine.tokenizer, args.show_exits, engine.model_config.num_layers)
+    start = time.perf_counter()
+    first: float | None = None
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != rid:
+                continue
+            first = first or time.perf_counter()
+            printer.update(out.outputs[0])
+            final = out
+    end = time.perf_counter()
+    print()
+    assert final is not None
+    c = final.outputs[0]
+    n = len(c.token_ids)
+    decode_s = end - (first or end)
+    stats = c.exit_stats
+    print(
+        f"--- {n} tokens in {end - start:.2f}s: {n / (end - start):.1f} tok/s overall, "
+        f"{(n - 1) / decode_s if n > 1 and decode_s > 0 else float('nan'):.1f} tok/s decode, "
+        f"TTFT {((first or end) - start) * 1000:.0f} ms; finish={c.finish_reason}",
+        file=sys.stderr,
+    )
+    if stats is not None:
+        print(
+            f"--- exits: mean exit layer {stats.mean_exit_layer:.2f}/{stats.num_layers}, "
+            f"layers saved {stats.layers_saved_fraction:.1%}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+class _StreamPrinter:
+    """Prints the new text of a completion; with exits shown, one coloured piece per token."""
+
+    _COLORS = ("\033[32m", "\033[36m", "\033[33m", "\033[35m", "\033[31m")
+
+    def __init__(self, tokenizer: Any, show_exits: bool, num_layers: int) -> None:
+        self.tokenizer = tokenizer
+        self.show_exits = show_exits
+        self.num_layers = num_layers
+        self.printed_text = 0
+        self.printed_tokens = 0
+        self.tty = sys.stdout.isatty()
+
+    def update(self, c: Any) -> None:
+        if not self.show_exits:
+            sys.stdout.write(c.text[self.printed_text :])
+            self.printed_text = len(c.text)
+        else:
+            for tok, layer in zip(
+                c.token_ids[self.printed_tokens :], c.exit_layers[self.printed_tokens :]
+            ):
+                piece = self.tokenizer.decode([tok])
+                if self.tty:
+                    color = self._COLORS[min(4, (layer - 1) * 5 // self.num_layers)]
+                    sys.stdout.write(f"{color}{piece}\033[0m")
+                else:
+                    sys.stdout.write(f"{piece}[{layer}]")
+            self.printed_tokens = len(c.token_ids)
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Exit heads and their sidecar files (``exit_config.json`` + ``exit_heads.safetensors``).
+
+Contract: ``ExitHeads`` holds, per exit layer, an optional own RMSNorm and adapter (``tuned``
+heads) and an optional classifier probe; the vocabulary projection is always the model's own,
+frozen LM head, passed in by the caller. ``load_sidecar``/``save_sidecar`` read and write the
+format documented in the README; the base model's weights are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eeserve.exits import ExitConfig
+from eeserve.models.llama import RMSNorm
+
+CONFIG_NAME = "exit_config.json"
+WEIGHTS_NAME = "exit_heads.safetensors"
+FORMAT = "eeserve-exit-heads/1"
+ADAPTERS = ("none", "linear", "lowrank", "mlp")
+
+
+class Adapter(nn.Module):
+    """Residual adapter ``h + f(h)``, initialised to the identity (f = 0)."""
+
+    def __init__(self, kind: str, dim: int, rank: int) -> None:
+        super().__init__()
+        if kind not in ADAPTERS:
+            raise ValueError(f"adapter must be one of {ADAPTERS}, got {kind!r}")
+        self.kind = kind
+        self.layers = nn.ModuleList()
+        if kind == "linear":
+            self.layers.append(nn.Linear(dim, dim))
+        elif kind in ("lowrank", "mlp"):
+            self.layers.append(nn.Linear(dim, rank, bias=kind == "mlp"))
+            self.layers.append(nn.Linear(rank, dim, bias=kind == "mlp"))
+        if len(self.layers):
+            last = self.layers[-1]
+            assert isinstance(last, nn.Linear)
+            nn.init.zeros_(last.weight)
+            if last.bias is not None:
+                nn.init.zeros_(last.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.kind == "none":
+            return h
+        if self.kind == "linear":
+            return h + self.layers[0](h)
+        mid = self.layers[0](h)
+        if self.kind == "mlp":
+            mid = torch.nn.functional.silu(mid)
+        return h + self.layers[1](mid)
+
+
+class ExitHead(nn.Module):
+    def __init__(self, dim: int, eps: float, adapter: str, rank: int, classifier: bool) -> None:
+        super().__init__()
+        self.adapter = Adapter(adapter, dim, rank)
+        self.norm = RMSNorm(dim, eps)
+        self.classifier = nn.Linear(dim, 1) if classifier else None
+
+
+class ExitHeads(nn.Module):
+    def __init__(self, cfg: ExitConfig, dim: int, eps: float) -> None:
+        super().__init__()
+        self.config = cfg
+        self.heads = nn.ModuleDict(
+            {
+                str(layer): ExitHead(dim, eps, cfg.adapter, cfg.adapter_rank, cfg.classifier)
+                for layer in cfg.exit_layers
+            }
+        )
+
+    def head(self, layer: int) -> ExitHead:
+        return self.heads[str(layer)]  # type: ignore[return-value]
+
+    def normed(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """[n, D] hidden after ``layer`` -> [n, D] input of the LM head."""
+        head = self.head(layer)
+        return head.norm(head.adapter(h))  # type: ignore[no-any-return]
+
+    def probe(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """Classifier logit [n] of "this exit's argmax equals the final one"."""
+        clf = self.head(layer).classifier
+        if clf is None:
+            raise ValueError("this sidecar has no classifier probes")
+        return clf(h.to(clf.weight.dtype)).squeeze(-1)  # type: ignore[no-any-return]
+
+
+def load_sidecar(folder: Path) -> tuple[ExitConfig, dict[str, torch.Tensor]] | None:
+    cfg_path = folder / CONFIG_NAME
+    if not cfg_path.exists():
+        return None
+    raw = json.loads(cfg_path.read_text())
+    if raw.pop("format", FORMAT) != FORMAT:
+        raise ValueError(f"{cfg_path}: unsupported exit sidecar format")
+    cfg = ExitConfig(**raw)
+    weights: dict[str, torch.Tensor] = {}
+    if (folder / WEIGHTS_NAME).exists():
+        from safetensors.torch import load_file
+
+        weights = load_file(str(folder / WEIGHTS_NAME))
+    return cfg, weights
+
+
+def save_sidecar(folder: Path, cfg: ExitConfig, heads: ExitHeads | None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CONFIG_NAME).write_text(json.dumps({"format": FORMAT, **asdict(cfg)}, indent=2))
+    if heads is not None:
+        from safetensors.torch import save_file
+
+        state = {k: v.detach().float().contiguous() for k, v in heads.state_dict().items()}
+        save_file(state, str(folder / WEIGHTS_NAME))
+
+
+def build_exit_heads(
+    cfg: ExitConfig, weights: dict[str, torch.Tensor], dim: int, eps: float
+) -> ExitHeads | None:
+    """Modules for a ``tuned`` or classifier-carrying sidecar; None for plain shared heads."""
+    if cfg.head == "shared" and not cfg.classifier:
+        return None
+    heads = ExitHeads(cfg, dim, eps)
+    if weights:
+        missing, unexpected = heads.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"exit sidecar weights mismatch: missing {missing}, unexpected {unexpected}"
+            )
+    return heads
