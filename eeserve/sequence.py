@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from eeserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from eeserve.exits import ExitParams
+    from eeserve.exits import ExitParams, ExitPlan
 
 
 class SequenceStatus(enum.Enum):
@@ -33,6 +33,7 @@ class Sequence:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     exit_params: ExitParams | None = None
+    exit_plan: ExitPlan | None = None  # resolved from exit_params and the model's exit config
     seq_id: int = field(default_factory=lambda: next(_ids))
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eeserve.exits import ExitConfig
+from eeserve.exits import ExitConfig, default_shared_exit_layers
 from eeserve.models.llama import RMSNorm
 
 CONFIG_NAME = "exit_config.json"
@@ -131,3 +131,19 @@ def build_exit_heads(
                 f"exit sidecar weights mismatch: missing {missing}, unexpected {unexpected}"
             )
     return heads
+
+
+def load_exit_setup(
+    folders: list[Path], num_layers: int, dim: int, eps: float
+) -> tuple[ExitConfig, ExitHeads | None]:
+    """The first sidecar found in ``folders`` (model folder first), else shared-head exits."""
+    for folder in folders:
+        found = load_sidecar(folder)
+        if found is not None:
+            cfg, weights = found
+            if cfg.num_layers != num_layers:
+                raise ValueError(
+                    f"{folder}: exit sidecar is for {cfg.num_layers} layers, model has {num_layers}"
+                )
+            return cfg, build_exit_heads(cfg, weights, dim, eps)
+    return ExitConfig(num_layers, default_shared_exit_layers(num_layers)), None
