@@ -16,9 +16,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from eeserve.block_manager import BlockManager
 from eeserve.config import EngineConfig
-from eeserve.exits import ExitParams
-from eeserve.loader import load_model, resolve_model
+from eeserve.exits import ExitParams, resolve_exit_plan
+from eeserve.loader import load_model, packaged_sidecar, resolve_model
 from eeserve.model_runner import ModelRunner, StepOutput
+from eeserve.models.exit_heads import load_exit_setup
 from eeserve.outputs import CompletionOutput, ExitStats, RequestOutput
 from eeserve.sampling_params import SamplingParams
 from eeserve.scheduler import Scheduler, SchedulerConfig
@@ -67,8 +68,22 @@ class LLMEngine:
         )
         budget = max(config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget), self.block_manager)
+        sidecars = [folder] + [p for p in [packaged_sidecar(config.model)] if p is not None]
+        self.exit_config, heads = load_exit_setup(
+            sidecars, mcfg.num_layers, mcfg.hidden_size, mcfg.rms_norm_eps
+        )
         self.runner = ModelRunner(
-            model, mcfg, num_blocks, config.block_size, self.max_model_len, device, dtype
+            model,
+            mcfg,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+            device,
+            dtype,
+            self.exit_config,
+            heads,
+            config.exit_policy,
+            config.kv_fill,
         )
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, _Detok] = {}
@@ -95,7 +110,7 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         exit_params: ExitParams | None = None,
     ) -> str:
-        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        ids = self.tokenize(prompt_token_ids if prompt_token_ids is not None else prompt)
         if not ids:
             raise ValueError("prompt is empty")
         total = len(ids) + params.max_tokens
@@ -111,11 +126,15 @@ class LLMEngine:
             self._counter += 1
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
+        plan = None
+        if self.config.exit_policy != "none":
+            plan = resolve_exit_plan(exit_params, self.exit_config)
         seq = Sequence(
             request_id,
             ids,
             params,
             exit_params,
+            plan,
             prompt=prompt if isinstance(prompt, str) else None,
         )
         self._seqs[request_id] = seq
@@ -146,10 +165,13 @@ class LLMEngine:
 
     def _apply(self, seq: Sequence, out: StepOutput, i: int) -> RequestOutput:
         seq.num_computed_tokens = seq.num_tokens
+        # The exit layer of this pass is the depth of the last position just computed: record it
+        # before ``commit`` hashes that position's block, or the key lacks it and never matches
+        # the key ``allocate`` computes later (a resumed sequence would miss its own blocks).
+        seq.exit_layers.append(out.exit_layers[i])
         self.block_manager.commit(seq)
         token = out.token_ids[i]
         seq.output_token_ids.append(token)
-        seq.exit_layers.append(out.exit_layers[i])
         seq.exit_confidences.append(out.confidences[i])
         lp = out.logprobs[i] if out.logprobs else None
         if lp is not None:
@@ -162,7 +184,11 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.sampling_params
         det = self._detok[seq.request_id]
-        det.text = str(self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True))
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            # As in vLLM: the stop token ends the token ids but is left out of the text.
+            det.text = self._decode(seq.output_token_ids[:-1])
+            return "stop"
+        det.text = self._decode(seq.output_token_ids)
         if p.stop:
             longest = max(len(s) for s in p.stop)
             start = max(0, det.checked - longest + 1)
@@ -170,12 +196,15 @@ class LLMEngine:
             if found:
                 det.text = det.text[: min(found)]
                 return "stop"
-            det.checked = len(det.text)
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
+            # Trailing U+FFFD is an incomplete multi-byte character that the next token may turn
+            # into another character: search it again next time.
+            det.checked = len(det.text.rstrip("\ufffd"))
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
