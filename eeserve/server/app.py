@@ -1,0 +1,235 @@
+"""The FastAPI application: routes, bearer-token auth, OpenAI-style errors, lifespan.
+
+Contract: ``create_app(engine, ...)`` wraps an ``LLMEngine`` (which it then owns: from startup on
+only the app's engine thread touches it) and returns an ASGI app serving
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus text) and the OpenAPI docs at ``/docs``. The engine thread starts in
+the lifespan startup and stops at shutdown. With ``api_key`` every path except ``/health``
+needs ``Authorization: Bearer <api_key>`` (401 otherwise). Every error, including malformed JSON,
+a missing field, a wrong type and an out-of-range value, is answered with
+``{"error": {"message", "type", "param", "code"}}``; validation problems are 400s whose
+``param`` names the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from eeserve import __version__
+from eeserve.engine import LLMEngine
+from eeserve.server.engine_loop import EngineLoop
+from eeserve.server.formatting import TokenStrings
+from eeserve.server.metrics import ServerMetrics
+from eeserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+)
+from eeserve.server.serving import ApiError, ServingContext, error_body, generate
+
+log = logging.getLogger(__name__)
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 503)
+}
+
+
+def create_app(
+    engine: LLMEngine,
+    *,
+    model_names: list[str] | None = None,
+    api_key: str | None = None,
+) -> FastAPI:
+    num_layers = engine.model_config.num_layers
+    metrics = ServerMetrics(num_layers)
+    engine_loop = EngineLoop(engine, metrics)
+    tokenizer = copy.deepcopy(engine.tokenizer)
+    ctx = ServingContext(
+        engine_loop=engine_loop,
+        tokenizer=tokenizer,
+        strings=TokenStrings(tokenizer),
+        metrics=metrics,
+        model_names=list(model_names or [str(engine.config.model)]),
+        max_model_len=engine.max_model_len,
+        num_layers=num_layers,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine_loop.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            engine_loop.stop()
+
+    app = FastAPI(
+        title="eeserve",
+        version=__version__,
+        description="OpenAI-compatible server for early-exit LLMs. Extension: the `early_exit` "
+        "request field and the `early_exit` statistics in responses.",
+        lifespan=lifespan,
+    )
+    app.state.ctx = ctx
+    app.state.engine_loop = engine_loop
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key, exempt=("/health",))
+    _install_error_handlers(app, metrics)
+    _add_routes(app, ctx)
+    return app
+
+
+def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.post(
+        "/v1/completions",
+        responses={200: {"model": CompletionResponse}, **_ERRORS},
+        response_model=None,
+    )
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """Text completion (stream with `"stream": true`: server-sent events)."""
+        return await generate(ctx, request, body, "completion")
+
+    @app.post(
+        "/v1/chat/completions",
+        responses={200: {"model": ChatCompletionResponse}, **_ERRORS},
+        response_model=None,
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """Chat completion through the model's chat template."""
+        return await generate(ctx, request, body, "chat")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "eeserve",
+                "max_model_len": ctx.max_model_len,
+                "num_layers": ctx.num_layers,
+            }
+            for name in ctx.model_names
+        ]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> Response:
+        loop = ctx.engine_loop
+        if not loop.alive or loop.draining:
+            state = "shutting down" if loop.draining else "engine stopped"
+            return JSONResponse({"status": state}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        content, media_type = ctx.metrics.render()
+        return Response(content, media_type=media_type)
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def respond(request: Request, status: int, body: dict[str, Any]) -> JSONResponse:
+        if request.url.path in GENERATION_PATHS:
+            metrics.request_done(request.url.path, "rejected" if status < 500 else "error")
+        return JSONResponse(body, status_code=status)
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return respond(request, exc.status, exc.body())
+
+    async def on_validation(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        message, param, code = describe_validation_errors(list(exc.errors()))
+        return respond(request, 400, error_body(message, "invalid_request_error", param, code))
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        body = error_body(str(exc.detail), kind, None, str(exc.status_code))
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    async def on_other(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        body = error_body(f"internal error: {type(exc).__name__}", "server_error", None, "500")
+        return respond(request, 500, body)
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_other)
+
+
+def describe_validation_errors(errors: list[Any]) -> tuple[str, str | None, str]:
+    """Pydantic errors -> (message, param, code) for the first offending field."""
+    if not errors:
+        return "invalid request", None, "invalid_request"
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', '')}", None, "json_invalid"
+    param = _param(tuple(first.get("loc", ())))
+    if param is None:
+        return f"request body: {first.get('msg', 'invalid')}", None, str(first.get("type"))
+    same = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
+    msgs = list(dict.fromkeys(str(e.get("msg", "")) for e in same))
+    if len(msgs) > 1:
+        message = f"{param}: invalid value (" + "; or ".join(msgs[:4]) + ")"
+    else:
+        message = f"{param}: {msgs[0]}"
+    return message, param, str(first.get("type"))
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    parts: list[str] = []
+    for x in loc[1:] if loc[:1] == ("body",) else loc:
+        if isinstance(x, int):
+            parts.append(str(x))
+        elif isinstance(x, str) and x.isidentifier() and x not in _TYPE_TAGS:
+            parts.append(x)
+        else:
+            break
+    return ".".join(parts) or None
+
+
+class BearerAuth:
+    """Pure ASGI middleware (streaming-safe): a bearer token on every path but the exempt."""
+
+    def __init__(self, app: ASGIApp, api_key: str, exempt: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.exempt = exempt
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.exempt:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            why = "missing" if not given else "invalid"
+            body = error_body(
+                f"{why} API key: send `Authorization: Bearer <key>`",
+                "authentication_error",
+                None,
+                "invalid_api_key",
+            )
+            response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,340 @@
+"""One background thread that owns the engine and drives ``engine.step()`` while there is work.
+
+Contract:
+- ``EngineLoop(engine, metrics)`` is started with ``start(loop)`` from inside the asyncio event
+  loop that will consume its outputs. From then on every engine call (``add_request``,
+  ``abort_request``, ``tokenize``, ``step``) happens on the loop's single worker thread; other
+  threads only post commands to it (a deque plus a wake-up event), so no lock is needed.
+- ``await add(choices, exit_params)`` queues a group of engine requests atomically: if the engine
+  refuses any (``ValueError``, e.g. a prompt longer than the context), the ones already added are
+  aborted and the error is raised to the caller; exit parameters that cannot be resolved against
+  the model's exit config raise ``RequestRejected`` with ``param="early_exit"``. It returns a
+  ``Generation`` whose ``stream()`` yields ``(choice_index, RequestOutput)`` in engine order
+  until every choice has finished.
+- ``Generation.cancel()`` (client gone) aborts the unfinished engine requests, freeing their KV
+  blocks, and ends the stream; ``abort()`` only aborts.
+- Outputs of one engine step are handed to the event loop with one ``call_soon_threadsafe``.
+- ``begin_drain(timeout)`` (graceful shutdown): new work is refused with ``ShuttingDown``;
+  requests still running after ``timeout`` seconds are aborted and their streams raise
+  ``GenerationError``. ``stop()`` ends the thread the same way and joins it.
+- Metrics (tokens, TTFT, inter-token latency, exit layers, gauges) are recorded on the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from eeserve.engine import LLMEngine
+from eeserve.exits import ExitParams, resolve_exit_plan
+from eeserve.outputs import RequestOutput
+from eeserve.sampling_params import SamplingParams
+from eeserve.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5
+
+
+class GenerationError(RuntimeError):
+    """The engine could not finish a request: 503 for a shutdown, 500 for an engine failure."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ShuttingDown(RuntimeError):
+    """The server is draining and takes no new requests."""
+
+
+class RequestRejected(ValueError):
+    """The engine refused a request because of ``param`` (a request field)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ChoiceSpec:
+    """One engine request: a prompt (text kept for the record, ids already tokenized)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class _Cancelled:
+    """Queue sentinel: the consumer went away."""
+
+
+_Item = tuple[int, RequestOutput] | GenerationError | _Cancelled
+
+
+class Generation:
+    """The consumer's handle on a group of engine requests (one per choice)."""
+
+    def __init__(self, owner: EngineLoop, num_choices: int) -> None:
+        self.id = uuid.uuid4().hex
+        self.request_ids = [f"{self.id}-{i}" for i in range(num_choices)]
+        self.prompt_token_ids: list[list[int]] = []
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._owner = owner
+        self._pending = set(range(num_choices))
+        self.cancelled = False
+
+    @property
+    def finished(self) -> bool:
+        return not self._pending
+
+    async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self._pending:
+            item = await self.queue.get()
+            if isinstance(item, _Cancelled):
+                return
+            if isinstance(item, GenerationError):
+                raise item
+            index, out = item
+            if out.finished:
+                self._pending.discard(index)
+            yield index, out
+
+    def abort(self) -> None:
+        if self._pending:
+            self._owner.abort([self.request_ids[i] for i in sorted(self._pending)])
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.abort()
+        self.queue.put_nowait(_Cancelled())
+
+
+@dataclass
+class _Tracked:
+    generation: Generation
+    index: int
+    arrival: float
+    last: float = 0.0
+    seen_tokens: int = 0
+
+
+@dataclass
+class _Batch:
+    items: list[tuple[Generation, _Item]] = field(default_factory=list)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.num_layers = engine.model_config.num_layers
+        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
+        self._wake = threading.Event()
+        self._tracked: dict[str, _Tracked] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._deadline: float | None = None
+
+    # -- lifecycle (event-loop side) ------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="eeserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def draining(self) -> bool:
+        return self._deadline is not None or self._stopping
+
+    def begin_drain(self, timeout: float) -> None:
+        """Refuse new work; abort what is still running ``timeout`` seconds from now."""
+        if self._deadline is None:
+            self._deadline = time.monotonic() + max(0.0, timeout)
+            self._wake.set()
+
+    def stop(self, join_timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(join_timeout)
+
+    # -- requests (event-loop side) -------------------------------------------------------------
+
+    async def add(self, choices: list[ChoiceSpec], exit_params: ExitParams | None) -> Generation:
+        if self.draining or not self.alive:
+            raise ShuttingDown("the server is shutting down")
+        gen = Generation(self, len(choices))
+        future = self._post(lambda: self._add(gen, choices, exit_params))
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            gen.abort()  # queued after the add, so it runs after it
+            raise
+        return gen
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._post(lambda: self._abort(request_ids, "aborted"))
+
+    def _post(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.append((fn, future))
+        self._wake.set()
+        return future
+
+    # -- the worker thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            self._run_commands()
+            if self._stopping:
+                break
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                self._fail_all("the server shut down before the request finished")
+            if self.engine.has_unfinished_requests():
+                self._step()
+            else:
+                self._wake.wait(_IDLE_WAIT_S)
+        self._run_commands()
+        self._fail_all("the server shut down before the request finished")
+        self._update_gauges()
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            fn, future = self._commands.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to the awaiting coroutine
+                future.set_exception(e)
+        self._update_gauges()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed")
+            self._fail_all(f"engine error: {type(e).__name__}: {e}", 500)
+            return
+        if not outputs:
+            time.sleep(0.001)  # nothing schedulable right now; do not spin
+            return
+        now = time.monotonic()
+        batch = _Batch()
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            self._record(tracked, out, now)
+            if out.finished:
+                del self._tracked[out.request_id]
+            batch.items.append((tracked.generation, (tracked.index, out)))
+        self._deliver(batch)
+        self._update_gauges()
+
+    def _deliver(self, batch: _Batch) -> None:
+        if batch.items and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(_put_all, batch)
+
+    def _add(self, gen: Generation, choices: list[ChoiceSpec], ep: ExitParams | None) -> None:
+        self._check_exit_params(ep)
+        added: list[str] = []
+        try:
+            for rid, spec in zip(gen.request_ids, choices):
+                ids = spec.prompt_token_ids
+                if spec.prompt is None:
+                    ids = self.engine.tokenize(ids)  # validates the token ids
+                self.engine.add_request(
+                    spec.prompt if spec.prompt is not None else ids,
+                    spec.params,
+                    request_id=rid,
+                    prompt_token_ids=ids,
+                    exit_params=ep,
+                )
+                added.append(rid)
+                gen.prompt_token_ids.append(ids)
+        except BaseException:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        now = time.monotonic()
+        for i, rid in enumerate(added):
+            self._tracked[rid] = _Tracked(gen, i, arrival=now, last=now)
+            self.metrics.prompt_tokens.inc(len(gen.prompt_token_ids[i]))
+
+    def _check_exit_params(self, ep: ExitParams | None) -> None:
+        """Resolve the exit plan up front, so that its errors are told apart from the prompt's."""
+        cfg = getattr(self.engine, "exit_config", None)
+        if ep is None or cfg is None or self.engine.config.exit_policy == "none":
+            return
+        try:
+            resolve_exit_plan(ep, cfg)
+        except ValueError as e:
+            raise RequestRejected(str(e), "early_exit") from e
+
+    def _abort(self, request_ids: list[str], why: str) -> None:
+        for rid in request_ids:
+            if self._tracked.pop(rid, None) is not None:
+                self.engine.abort_request(rid)
+                log.debug("request %s %s", rid, why)
+
+    def _fail_all(self, message: str, status: int = 503) -> None:
+        if not self._tracked:
+            return
+        batch = _Batch()
+        gens: dict[int, Generation] = {}
+        for rid, tracked in list(self._tracked.items()):
+            self.engine.abort_request(rid)
+            gens[id(tracked.generation)] = tracked.generation
+        self._tracked.clear()
+        for gen in gens.values():
+            batch.items.append((gen, GenerationError(message, status)))
+        self._deliver(batch)
+
+    def _record(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
+        c = out.outputs[0]
+        new = len(c.token_ids) - tracked.seen_tokens
+        if new <= 0:
+            return
+        m = self.metrics
+        if tracked.seen_tokens == 0:
+            m.time_to_first_token.observe(now - tracked.arrival)
+        else:
+            m.inter_token_latency.observe((now - tracked.last) / new)
+        tracked.last = now
+        m.generation_tokens.inc(new)
+        for layer in c.exit_layers[tracked.seen_tokens :]:
+            m.exit_layer.observe(layer)
+            m.layers_saved.inc(self.num_layers - layer)
+            m.layers_total.inc(self.num_layers)
+        tracked.seen_tokens = len(c.token_ids)
+
+    def _update_gauges(self) -> None:
+        sched = self.engine.scheduler
+        bm = self.engine.block_manager
+        m = self.metrics
+        m.running.set(len(sched.running))
+        m.waiting.set(len(sched.waiting))
+        m.kv_blocks_free.set(bm.num_free_blocks)
+        m.kv_blocks_used.set(bm.num_blocks - bm.num_free_blocks)
+
+
+def _put_all(batch: _Batch) -> None:
+    for gen, item in batch.items:
+        if not gen.cancelled:
+            gen.queue.put_nowait(item)

@@ -1,0 +1,221 @@
+"""Engine outputs -> OpenAI JSON: whole responses, stream chunks, logprobs and exit statistics.
+
+Contract: a ``Formatter`` is made per HTTP request for ``kind`` ``"completion"`` or ``"chat"``.
+``delta_chunk(index, output)`` turns the cumulative ``CompletionOutput`` of choice ``index`` into
+a stream chunk holding only what is new since the previous call (``None`` when nothing is), and
+holds back the last ``longest stop string - 1`` characters while the choice runs, so that text
+later cut at a stop string is never sent. ``response(finals, prompt_lens)`` builds the
+non-streaming body; ``usage_chunk`` the final streamed usage. Exit statistics are reported per
+choice and over all choices (token-weighted); with logprobs, each token carries its exit layer.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from eeserve.outputs import CompletionOutput
+
+LOGPROB_FLOOR = -9999.0  # the sampled token was outside the top-n the engine reported
+Kind = Literal["completion", "chat"]
+
+
+class TokenStrings:
+    """Token id -> its text, cached (one per app; used on the event-loop thread only)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._cache[token_id] = str(self.tokenizer.decode([token_id]))
+        return s
+
+
+def exit_stats(layer_lists: list[list[int]], num_layers: int) -> dict[str, Any]:
+    layers = [x for ls in layer_lists for x in ls]
+    if not layers:
+        return {
+            "mean_exit_layer": float(num_layers),
+            "layers_saved_fraction": 0.0,
+            "num_layers": num_layers,
+        }
+    total = sum(layers)
+    return {
+        "mean_exit_layer": total / len(layers),
+        "layers_saved_fraction": 1 - total / (len(layers) * num_layers),
+        "num_layers": num_layers,
+    }
+
+
+@dataclass
+class _ChoiceState:
+    text: str = ""
+    tokens: int = 0
+    text_offset: int = 0
+    final: CompletionOutput | None = None
+
+
+class Formatter:
+    def __init__(
+        self,
+        kind: Kind,
+        model: str,
+        strings: TokenStrings,
+        num_layers: int,
+        num_choices: int,
+        top_logprobs: int | None,
+        stop: list[str],
+    ) -> None:
+        self.kind = kind
+        self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.strings = strings
+        self.num_layers = num_layers
+        self.top_logprobs = top_logprobs
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.states = [_ChoiceState() for _ in range(num_choices)]
+
+    # -- streaming ----------------------------------------------------------------------------
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        if self.kind == "completion":
+            return []
+        choices = [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(len(self.states))
+        ]
+        return [self._envelope(choices, chunk=True)]
+
+    def delta_chunk(self, index: int, c: CompletionOutput) -> dict[str, Any] | None:
+        st = self.states[index]
+        finished = c.finish_reason is not None
+        upto = len(c.text) if finished else max(len(st.text), len(c.text) - self.holdback)
+        delta = c.text[len(st.text) : upto] if c.text.startswith(st.text) else ""
+        st.text += delta
+        new_tokens = len(c.token_ids) - st.tokens
+        logprobs = None
+        if self.top_logprobs is not None and new_tokens > 0:
+            logprobs = self._logprobs(c, st.tokens, len(c.token_ids), st)
+        st.tokens = len(c.token_ids)
+        if finished:
+            st.final = c
+        if not (delta or finished or logprobs):
+            return None
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs}
+        if self.kind == "completion":
+            choice["text"] = delta
+        else:
+            choice["delta"] = {"content": delta} if delta else {}
+        choice["finish_reason"] = _finish_reason(c.finish_reason)
+        if finished:
+            choice["early_exit"] = exit_stats([c.exit_layers], self.num_layers)
+        return self._envelope([choice], chunk=True)
+
+    def usage_chunk(self, prompt_lens: list[int]) -> dict[str, Any]:
+        finals = [st.final for st in self.states if st.final is not None]
+        body = self._envelope([], chunk=True)
+        body["usage"] = _usage(prompt_lens, finals)
+        body["early_exit"] = exit_stats([c.exit_layers for c in finals], self.num_layers)
+        return body
+
+    # -- whole responses ----------------------------------------------------------------------
+
+    def response(self, finals: list[CompletionOutput], prompt_lens: list[int]) -> dict[str, Any]:
+        choices = []
+        for i, c in enumerate(finals):
+            st = _ChoiceState()
+            logprobs = None
+            if self.top_logprobs is not None:
+                logprobs = self._logprobs(c, 0, len(c.token_ids), st)
+            choice: dict[str, Any] = {"index": i}
+            if self.kind == "completion":
+                choice["text"] = c.text
+            else:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            choice["logprobs"] = logprobs
+            choice["finish_reason"] = _finish_reason(c.finish_reason)
+            choice["early_exit"] = exit_stats([c.exit_layers], self.num_layers)
+            choices.append(choice)
+        body = self._envelope(choices, chunk=False)
+        body["usage"] = _usage(prompt_lens, finals)
+        body["early_exit"] = exit_stats([c.exit_layers for c in finals], self.num_layers)
+        return body
+
+    # -- pieces -------------------------------------------------------------------------------
+
+    def _envelope(self, choices: list[dict[str, Any]], *, chunk: bool) -> dict[str, Any]:
+        if self.kind == "completion":
+            obj = "text_completion"
+        else:
+            obj = "chat.completion.chunk" if chunk else "chat.completion"
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _logprobs(self, c: CompletionOutput, a: int, b: int, st: _ChoiceState) -> dict[str, Any]:
+        ids = c.token_ids[a:b]
+        lps = (c.logprobs or [])[a:b]
+        lps = lps + [{}] * (len(ids) - len(lps))
+        layers = c.exit_layers[a:b]
+        layers = layers + [self.num_layers] * (len(ids) - len(layers))
+        n = self.top_logprobs or 0
+        if self.kind == "chat":
+            return {
+                "content": [self._chat_entry(t, lp, L, n) for t, lp, L in zip(ids, lps, layers)]
+            }
+        s = self.strings
+        tokens = [s(t) for t in ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(st.text_offset)
+            st.text_offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.get(t, LOGPROB_FLOOR) for t, lp in zip(ids, lps)],
+            "top_logprobs": [{s(k): v for k, v in list(lp.items())[:n]} for lp in lps],
+            "text_offset": offsets,
+            "exit_layers": layers,
+        }
+
+    def _chat_entry(self, tid: int, lp: dict[int, float], layer: int, n: int) -> dict[str, Any]:
+        s = self.strings(tid)
+        top = [
+            {"token": self.strings(k), "logprob": v, "bytes": list(self.strings(k).encode())}
+            for k, v in list(lp.items())[:n]
+        ]
+        return {
+            "token": s,
+            "logprob": lp.get(tid, LOGPROB_FLOOR),
+            "bytes": list(s.encode()),
+            "top_logprobs": top,
+            "exit_layer": layer,
+        }
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    return None if reason == "abort" else reason
+
+
+def _usage(prompt_lens: list[int], finals: list[CompletionOutput]) -> dict[str, int]:
+    prompt = sum(prompt_lens)
+    completion = sum(len(c.token_ids) for c in finals)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }

@@ -1,0 +1,143 @@
+"""``eeserve serve MODEL``: argument parsing and the uvicorn process with graceful shutdown.
+
+Contract: ``add_serve_parser(subparsers)`` adds the ``serve`` sub-command (its ``func`` default
+is ``run_serve``); ``run_serve(args)`` loads the engine, serves until SIGINT or SIGTERM and
+returns 0. On the first signal the listener closes, new requests on open connections get 503,
+in-flight requests run to completion for up to ``--shutdown-timeout`` seconds and are then
+aborted with an error (a JSON error body, or an ``error`` event before ``[DONE]`` in a
+stream); a second SIGINT forces the exit. ``main(argv)`` is ``python -m eeserve.server``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+EXIT_POLICIES = ("per_sequence", "batch_all", "none")
+KV_FILL_STRATEGIES = ("fill", "recompute")
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server", description=__doc__
+    )
+    add_serve_args(p)
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="smollm2, an HF folder or a .gguf file")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("EESERVE_API_KEY"),
+        help="require `Authorization: Bearer KEY` (default: $EESERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        help="name(s) clients use in `model` (default: the MODEL argument); repeatable",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGINT/SIGTERM",
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    g = p.add_argument_group("engine options")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=512 * 2**20,
+        help="KV pool: bytes, or a fraction (0, 1] of free memory",
+    )
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--exit-policy", default="per_sequence", choices=EXIT_POLICIES)
+    g.add_argument("--kv-fill", default="fill", choices=KV_FILL_STRATEGIES)
+
+
+def _engine_config(args: argparse.Namespace) -> Any:
+    from eeserve.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        exit_policy=args.exit_policy,
+        kv_fill=args.kv_fill,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from eeserve.engine import LLMEngine
+    from eeserve.server.app import create_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", force=True
+    )
+    engine = LLMEngine(_engine_config(args))
+    app = create_app(
+        engine, model_names=args.served_model_name or [args.model], api_key=args.api_key
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,
+        access_log=args.log_level == "debug",
+    )
+    server = _GracefulServer(config, app.state.engine_loop, args.shutdown_timeout)
+    server.run()
+    return 0
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn.Server that drains the engine on a signal and does not re-raise it afterwards."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop: Any, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.engine_loop = engine_loop
+        self.drain_timeout = drain_timeout
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+        self.engine_loop.begin_drain(self.drain_timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eeserve.server", description=__doc__)
+    add_serve_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_serve(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

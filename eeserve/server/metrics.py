@@ -1,0 +1,92 @@
+"""Prometheus metrics of one server instance, in its own ``CollectorRegistry`` (no globals).
+
+Contract: ``ServerMetrics(num_layers)`` creates every metric in a fresh registry; ``render()``
+returns the text exposition format and its content type. The engine thread records token counts,
+latencies, exit layers and the gauges; the HTTP layer records requests by endpoint and status
+(``success``, ``aborted`` (client went away), ``rejected`` (4xx), ``error`` (5xx or a request
+the engine could not finish)).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+
+REQUEST_STATUSES = ("success", "aborted", "rejected", "error")
+
+
+class ServerMetrics:
+    def __init__(self, num_layers: int) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "eeserve_requests",
+            "HTTP generation requests by endpoint and final status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "eeserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "eeserve_generation_tokens", "Generated tokens", registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "eeserve_time_to_first_token_seconds",
+            "Time from admission to the first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "eeserve_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.exit_layer = Histogram(
+            "eeserve_exit_layer",
+            "Layer (1-based) each generated token exited at; the last bucket is full depth",
+            buckets=tuple(float(i) for i in range(1, num_layers + 1)),
+            registry=r,
+        )
+        self.layers_saved = Counter(
+            "eeserve_layers_saved", "Decoder-layer computations skipped by early exit", registry=r
+        )
+        self.layers_total = Counter(
+            "eeserve_layers", "Decoder-layer computations a full-depth decode would run", registry=r
+        )
+        self.running = Gauge("eeserve_num_requests_running", "Running requests", registry=r)
+        self.waiting = Gauge("eeserve_num_requests_waiting", "Waiting requests", registry=r)
+        self.kv_blocks_used = Gauge("eeserve_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_blocks_free = Gauge("eeserve_kv_blocks_free", "Free KV cache blocks", registry=r)
+        for endpoint in ("/v1/completions", "/v1/chat/completions"):
+            for status in REQUEST_STATUSES:
+                self.requests.labels(endpoint, status)
+
+    def request_done(self, endpoint: str, status: str) -> None:
+        self.requests.labels(endpoint, status).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

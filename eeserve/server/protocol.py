@@ -1,0 +1,197 @@
+"""Pydantic models of the OpenAI-compatible API (requests validated strictly, responses documented).
+
+Contract: request models are strict (no coercion: ``"1"`` is not a number, ``1.0`` is not an
+integer, ``1`` is not a boolean), reject NaN/inf, ignore unknown fields, and carry the
+range limits of ``SamplingParams`` so that a bad value is reported against its field name before
+anything reaches the engine. ``early_exit`` is this server's extension, mapped to ``ExitParams``.
+Response models document the JSON the handlers build (they are not used to validate it).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class EarlyExitOptions(_Strict):
+    """Per-request early exit (extension). Omitted: the server's default exit configuration."""
+
+    enabled: bool = True
+    threshold: float | list[float] | None = Field(
+        None, description="confidence threshold (one, or one per exit layer)"
+    )
+    tolerance: float | None = Field(
+        None, gt=0, lt=1, description="allowed quality loss vs full depth (needs calibration)"
+    )
+    measure: Literal["softmax_margin", "max_prob", "hidden_cosine", "classifier"] | None = None
+    min_layer: int = Field(1, ge=1, description="no exit below this layer (1-based)")
+
+    @model_validator(mode="after")
+    def _one_criterion(self) -> EarlyExitOptions:
+        if self.threshold is not None and self.tolerance is not None:
+            raise ValueError("give either threshold or tolerance, not both")
+        return self
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, description="0 = greedy; default 1")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k")
+    seed: int | None = Field(None, description="choice i of n uses seed + i")
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    early_exit: EarlyExitOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="text, list of texts, token ids, or list of token-id lists"
+    )
+    logprobs: int | None = Field(None, ge=0, le=20, description="top log-probabilities per token")
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(
+        cls, p: str | list[str] | list[int] | list[list[int]]
+    ) -> str | list[str] | list[int] | list[list[int]]:
+        if isinstance(p, list) and (not p or any(isinstance(x, list) and not x for x in p)):
+            raise ValueError("prompt must not be an empty list")
+        return p
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+# -- responses (documentation) -------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class EarlyExitStats(BaseModel):
+    mean_exit_layer: float = Field(description="over generated tokens; num_layers = full depth")
+    layers_saved_fraction: float
+    num_layers: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+    exit_layers: list[int] = Field(description="extension: the exit layer of each token")
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+    early_exit: EarlyExitStats | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    early_exit: EarlyExitStats
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+    exit_layer: int = Field(description="extension: the layer this token exited at")
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
+    early_exit: EarlyExitStats | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    early_exit: EarlyExitStats
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

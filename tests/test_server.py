@@ -1,0 +1,483 @@
+"""The OpenAI-compatible server, end to end: a real ``python -m eeserve.server`` process on
+127.0.0.1 with the tiny model, driven by the official ``openai`` client and raw ``httpx``.
+
+Also: the engine loop in-process (drain on shutdown), the bad-input matrix, client disconnects,
+64 concurrent streams, graceful shutdown and schema-driven fuzzing (schemathesis).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+
+openai = pytest.importorskip("openai")
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 256
+HOST = "127.0.0.1"
+PROMPTS = [
+    "The quick brown fox",
+    "Paris is the capital",
+    "def add(a, b):",
+    "Early exit lets",
+    "One two three",
+    "Berlin is",
+    "The lazy dog",
+    "four five six",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(self, model_dir: Path, *extra: str) -> None:
+        self.model = str(model_dir)
+        self.port = _free_port()
+        self.base = f"http://{HOST}:{self.port}"
+        cmd = [sys.executable, "-m", "eeserve.server", self.model, "--host", HOST]
+        cmd += ["--port", str(self.port), "--kv-cache-memory", "8000000", *extra]
+        self.log = open(model_dir.parent / f"server-{self.port}.log", "w+b")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.output()
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.proc.kill()
+        raise AssertionError(f"server did not start:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-5000:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"server did not exit:\n{self.output()}") from None
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[Server]:
+    srv = Server(tiny_model_dir, "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN))
+    yield srv
+    assert srv.stop() == 0, srv.output()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Any:
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server: Server) -> Iterator[httpx.Client]:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=server.base, headers=headers, timeout=60) as c:
+        yield c
+
+
+def _metrics(http: httpx.Client) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _wait_idle(http: httpx.Client, timeout: float = 10) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(http)
+        idle = m["eeserve_num_requests_running"] == 0 and m["eeserve_num_requests_waiting"] == 0
+        if (idle and m["eeserve_kv_blocks_used"] == 0) or time.monotonic() > deadline:
+            return m
+
+
+# -- happy paths ---------------------------------------------------------------------------------
+
+
+def test_models_health_and_docs(server: Server, client: Any, http: httpx.Client) -> None:
+    assert [m.id for m in client.models.list()] == [server.model]
+    assert httpx.get(f"{server.base}/health").json() == {"status": "ok"}
+    assert http.get("/docs").status_code == 200
+    paths = http.get("/openapi.json").json()["paths"]
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(paths)
+
+
+def test_completion_stream_equals_whole(server: Server, client: Any) -> None:
+    args: dict[str, Any] = dict(model=server.model, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    whole = client.completions.create(**args)
+    choice = whole.choices[0]
+    assert choice.finish_reason in ("stop", "length")
+    assert whole.usage.completion_tokens >= 1
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    ee = whole.model_extra["early_exit"]
+    assert 1 <= ee["mean_exit_layer"] <= ee["num_layers"] == 4
+    assert ee["layers_saved_fraction"] == pytest.approx(1 - ee["mean_exit_layer"] / 4)
+
+    chunks = list(
+        client.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].model_extra["early_exit"] == ee
+
+
+def test_chat_stream_equals_whole(server: Server, client: Any) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    args: dict[str, Any] = dict(model=server.model, messages=messages, temperature=0)
+    whole = client.chat.completions.create(**args, max_completion_tokens=20)
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(**args, max_tokens=20, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_prompt_forms_and_n(server: Server, client: Any, tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ids = [list(AutoTokenizer.from_pretrained(tiny_model_dir)(p).input_ids) for p in PROMPTS[:2]]
+    common: dict[str, Any] = dict(model=server.model, max_tokens=8, temperature=0)
+    by_text = client.completions.create(prompt=PROMPTS[:2], **common)
+    by_ids = client.completions.create(prompt=ids, **common)
+    one_ids = client.completions.create(prompt=ids[1], **common)
+    texts = [c.text for c in by_text.choices]
+    assert [c.index for c in by_text.choices] == [0, 1]
+    assert [c.text for c in by_ids.choices] == texts
+    assert one_ids.choices[0].text == texts[1]
+    assert by_text.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+
+    # n choices with a seed: choice i is what a single request with seed + i gives.
+    sampled: dict[str, Any] = dict(model=server.model, prompt=PROMPTS[2], max_tokens=12)
+    many = client.completions.create(n=3, seed=7, temperature=1.0, **sampled)
+    assert len(many.choices) == 3
+    for i in range(3):
+        single = client.completions.create(seed=7 + i, temperature=1.0, **sampled)
+        assert many.choices[i].text == single.choices[0].text
+
+
+def test_logprobs_carry_exit_layers(server: Server, client: Any) -> None:
+    c = client.completions.create(
+        model=server.model, prompt=PROMPTS[3], max_tokens=6, temperature=0, logprobs=2
+    )
+    lp = c.choices[0].logprobs
+    n = c.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.model_extra["exit_layers"]) == n
+    assert all(1 <= x <= 4 for x in lp.model_extra["exit_layers"])
+    assert all(v <= 0 for v in lp.token_logprobs)
+
+    chat = client.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "count"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    )
+    entries = [e for ch in chat if ch.choices and ch.choices[0].logprobs
+               for e in ch.choices[0].logprobs.content]  # fmt: skip
+    assert entries and all(len(e.top_logprobs) <= 3 for e in entries)
+    assert all(1 <= e.model_extra["exit_layer"] <= 4 for e in entries)
+
+
+def test_early_exit_field(server: Server, http: httpx.Client) -> None:
+    body: dict[str, Any] = {"model": server.model, "prompt": "One", "max_tokens": 4}
+    for ee in (
+        {"enabled": False},
+        {"threshold": 0.0, "measure": "softmax_margin", "min_layer": 1},
+        {"threshold": [0.5, 0.6, 0.7], "measure": "max_prob"},
+    ):
+        r = http.post("/v1/completions", json={**body, "early_exit": ee})
+        assert r.status_code == 200, r.text
+        stats = r.json()["early_exit"]
+        assert stats["layers_saved_fraction"] == pytest.approx(1 - stats["mean_exit_layer"] / 4)
+    r = http.post("/v1/completions", json={**body, "early_exit": {"tolerance": 0.05}})
+    if r.status_code != 200:  # the tiny model has no calibration to map a tolerance with
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("early_exit")
+
+
+# -- hard edges ----------------------------------------------------------------------------------
+
+_BASE = {"model": None, "prompt": "Hello", "max_tokens": 4}
+_CHAT = {"model": None, "messages": [{"role": "user", "content": "Hi"}]}
+BAD = [
+    # (endpoint, body changes, param named in the error)
+    ("completions", {"prompt": None}, "prompt"),
+    ("completions", {"model": None}, "model"),
+    ("chat/completions", {"messages": None}, "messages"),
+    ("completions", {"temperature": "hot"}, "temperature"),
+    ("completions", {"max_tokens": 1.5}, "max_tokens"),
+    ("completions", {"max_tokens": "4"}, "max_tokens"),
+    ("completions", {"n": True}, "n"),
+    ("completions", {"stream": "yes"}, "stream"),
+    ("completions", {"prompt": [True]}, "prompt"),
+    ("completions", {"prompt": []}, "prompt"),
+    ("completions", {"stop": 3}, "stop"),
+    ("chat/completions", {"messages": "Hi"}, "messages"),
+    ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("completions", {"max_tokens": -1}, "max_tokens"),
+    ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("completions", {"temperature": -0.1}, "temperature"),
+    ("completions", {"top_p": 0}, "top_p"),
+    ("completions", {"top_p": 1.5}, "top_p"),
+    ("completions", {"top_k": -2}, "top_k"),
+    ("completions", {"n": 0}, "n"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("completions", {"early_exit": {"measure": "vibes"}}, "early_exit.measure"),
+    ("completions", {"early_exit": {"min_layer": 0}}, "early_exit.min_layer"),
+    ("completions", {"early_exit": {"min_layer": 9}}, "early_exit.min_layer"),
+    ("completions", {"early_exit": {"threshold": 0.5, "tolerance": 0.1}}, "early_exit"),
+    ("completions", {"prompt": [1, 2, 10**6]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "change", "param"), BAD)
+def test_bad_input_is_400_naming_the_field(
+    server: Server, http: httpx.Client, endpoint: str, change: dict[str, Any], param: str
+) -> None:
+    body = {**(_CHAT if endpoint.startswith("chat") else _BASE), "model": server.model}
+    body.update(change)
+    body = {k: v for k, v in body.items() if v is not None}
+    r = http.post(f"/v1/{endpoint}", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert param.split(".")[-1] in err["message"] or param == "prompt"
+
+
+def test_malformed_json_and_unknown_fields(server: Server, http: httpx.Client) -> None:
+    headers = {"Content-Type": "application/json"}
+    r = http.post("/v1/completions", content=b'{"model": "x", "prompt": ', headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "json_invalid"
+    r = http.post("/v1/completions", content=b"[1, 2]", headers=headers)
+    assert r.status_code == 400 and "error" in r.json()
+    body = {**_BASE, "model": server.model, "frequency_penalty": 0.5, "whatever": {"a": 1}}
+    assert http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_prompt_longer_than_context(server: Server, http: httpx.Client) -> None:
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 60
+    r = http.post("/v1/completions", json={**_BASE, "model": server.model, "prompt": long_prompt})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    assert str(MAX_MODEL_LEN) in err["message"] and re.search(r"\(\d+ tokens\)", err["message"])
+    body = {**_CHAT, "model": server.model, "max_tokens": MAX_MODEL_LEN}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_unknown_model_is_404(server: Server, client: Any) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_api_key(server: Server) -> None:
+    for path in ("/v1/models", "/metrics", "/docs", "/openapi.json"):
+        assert httpx.get(server.base + path).status_code == 401
+        bad = {"Authorization": "Bearer wrong"}
+        r = httpx.get(server.base + path, headers=bad)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(f"{server.base}/v1/completions", json={**_BASE, "model": server.model})
+    assert r.status_code == 401
+    assert httpx.get(f"{server.base}/health").status_code == 200
+    bad_client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_client.chat.completions.create(model=server.model, messages=[])
+
+
+def test_disconnect_aborts_and_frees_blocks(server: Server, http: httpx.Client) -> None:
+    before = _wait_idle(http)
+    aborted = 'eeserve_requests_total{endpoint="/v1/completions",status="aborted"}'
+    body = {"model": server.model, "prompt": "x", "max_tokens": 240, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+    # A whole-response request whose client gives up waiting is aborted as well.
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json=body, timeout=0.3)
+    after = _wait_idle(http)
+    assert after["eeserve_kv_blocks_used"] == 0
+    assert after["eeserve_num_requests_running"] == 0
+    assert after[aborted] == before[aborted] + 2
+    generated = after["eeserve_generation_tokens_total"] - before["eeserve_generation_tokens_total"]
+    assert generated < 2 * 240
+
+
+def test_64_concurrent_streams(server: Server, http: httpx.Client) -> None:
+    aclient = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key=API_KEY, max_retries=0)
+
+    async def one(prompt: str) -> str:
+        stream = await aclient.completions.create(
+            model=server.model, prompt=prompt, max_tokens=24, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def run() -> tuple[list[str], list[str]]:
+        alone = [await one(p) for p in PROMPTS]
+        together = await asyncio.wait_for(
+            asyncio.gather(*(one(PROMPTS[i % len(PROMPTS)]) for i in range(64))), 90
+        )
+        await aclient.close()
+        return alone, list(together)
+
+    start = time.monotonic()
+    alone, together = asyncio.run(run())
+    assert time.monotonic() - start < 90
+    assert together == [alone[i % len(PROMPTS)] for i in range(64)]
+    m = _wait_idle(http)
+    assert m["eeserve_kv_blocks_used"] == 0
+    assert m['eeserve_requests_total{endpoint="/v1/completions",status="error"}'] == 0
+
+
+def test_graceful_shutdown(tiny_model_dir: Path) -> None:
+    """SIGTERM: a short in-flight stream finishes, one longer than the grace period gets an
+    error event, new connections are refused, and the process exits 0."""
+    srv = Server(tiny_model_dir, "--shutdown-timeout", "1")
+    body = {"model": srv.model, "prompt": "x", "ignore_eos": True, "stream": True}
+    try:
+        with ExitStack() as stack:
+            streams = []
+            for max_tokens in (480, 24):
+                c = stack.enter_context(httpx.Client(base_url=srv.base, timeout=30))
+                r = stack.enter_context(
+                    c.stream("POST", "/v1/completions", json={**body, "max_tokens": max_tokens})
+                )
+                events = r.iter_lines()
+                assert next(e for e in events if e.startswith("data: ")).startswith("data: {")
+                streams.append(events)
+            srv.proc.send_signal(signal.SIGTERM)
+            long, short = ([e[6:] for e in ev if e.startswith("data: ")] for ev in streams)
+        assert short[-1] == long[-1] == "[DONE]"
+        assert json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
+        last = json.loads(long[-2])
+        assert "error" in last or last["choices"][0]["finish_reason"] == "length", last
+        assert srv.proc.wait(30) == 0, srv.output()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{srv.base}/health")
+    finally:
+        srv.stop()
+
+
+# -- in-process: the engine loop ----------------------------------------------------------------
+
+
+def test_engine_loop_drain_fails_running_requests(tiny_model_dir: Path) -> None:
+    from eeserve.config import EngineConfig
+    from eeserve.engine import LLMEngine
+    from eeserve.sampling_params import SamplingParams
+    from eeserve.server.engine_loop import ChoiceSpec, EngineLoop, GenerationError, ShuttingDown
+    from eeserve.server.metrics import ServerMetrics
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=4_000_000))
+    loop = EngineLoop(engine, ServerMetrics(engine.model_config.num_layers))
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+    async def run() -> None:
+        loop.start(asyncio.get_running_loop())
+        gen = await loop.add([ChoiceSpec(None, [1, 2, 3], params)], None)
+        seen = 0
+        with pytest.raises(GenerationError) as e:
+            async for _ in gen.stream():
+                seen += 1
+                if seen == 2:
+                    loop.begin_drain(0)
+        assert e.value.status == 503 and seen < 400
+        with pytest.raises(ShuttingDown):
+            await loop.add([ChoiceSpec(None, [1, 2, 3], params)], None)
+        loop.stop()
+
+    asyncio.run(run())
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.has_unfinished_requests()
+
+
+# -- fuzzing from the OpenAPI schema -------------------------------------------------------------
+
+schemathesis = pytest.importorskip("schemathesis")
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_fuzz_no_server_errors(server: Server, mode: str) -> None:
+    """Requests generated from /openapi.json (valid ones, then invalid ones): never a 5xx."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    schema = schemathesis.openapi.from_url(f"{server.base}/openapi.json", headers=auth)
+    ops = [r.ok() for r in schema.get_all_operations()]
+    if mode == "negative":  # only operations with a body have something to break
+        ops = [op for op in ops if op.get_request_payload_content_types()]
+    strategy = st.one_of(
+        [op.as_strategy(generation_mode=schemathesis.GenerationMode(mode)) for op in ops]
+    )
+
+    @given(case=strategy)
+    @settings(
+        max_examples=60,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.generate],
+    )
+    def check(case: Any) -> None:
+        if isinstance(case.body, dict):
+            _bound_generation(case.body)
+            if mode == "positive":  # mostly a served model, so that requests reach the engine
+                case.body["model"] = server.model
+        response = case.call(headers=auth, timeout=60)
+        assert response.status_code < 500, (case.body, response.text)
+
+    check()
+
+
+def _bound_generation(body: dict[str, Any]) -> None:
+    """Keep valid requests short (bounded runtime); invalid values are left as generated."""
+    for key, limit in (("max_tokens", 8), ("max_completion_tokens", 8), ("n", 2)):
+        v = body.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > limit:
+            body[key] = limit
+    if "max_tokens" not in body and "max_completion_tokens" not in body:
+        body["max_tokens"] = 8
+    for key in ("prompt", "messages"):
+        if isinstance(body.get(key), list) and len(body[key]) > 4:
+            body[key] = body[key][:4]
