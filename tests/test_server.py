@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import signal
 import socket
@@ -215,19 +216,57 @@ def test_logprobs_carry_exit_layers(server: Server, client: Any) -> None:
 
 
 def test_early_exit_field(server: Server, http: httpx.Client) -> None:
-    body: dict[str, Any] = {"model": server.model, "prompt": "One", "max_tokens": 4}
-    for ee in (
-        {"enabled": False},
-        {"threshold": 0.0, "measure": "softmax_margin", "min_layer": 1},
-        {"threshold": [0.5, 0.6, 0.7], "measure": "max_prob"},
+    body: dict[str, Any] = {
+        "model": server.model,
+        "prompt": "One",
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "temperature": 0,
+        "logprobs": 0,
+    }
+    means = {}
+    for name, ee in (
+        ("off", {"enabled": False}),
+        ("first", {"threshold": 0.0, "measure": "softmax_margin", "min_layer": 1}),
+        ("list", {"threshold": [0.5, 0.6, 0.7], "measure": "max_prob"}),
     ):
         r = http.post("/v1/completions", json={**body, "early_exit": ee})
         assert r.status_code == 200, r.text
         stats = r.json()["early_exit"]
         assert stats["layers_saved_fraction"] == pytest.approx(1 - stats["mean_exit_layer"] / 4)
+        layers = r.json()["choices"][0]["logprobs"]["exit_layers"]
+        assert sum(layers) / len(layers) == pytest.approx(stats["mean_exit_layer"])
+        means[name] = stats["mean_exit_layer"]
+    # Threshold 0 exits every decode token at the first exit layer (the prefill token is full).
+    assert means["off"] == 4 and means["first"] < 4
     r = http.post("/v1/completions", json={**body, "early_exit": {"tolerance": 0.05}})
     if r.status_code != 200:  # the tiny model has no calibration to map a tolerance with
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("early_exit")
+
+
+def test_bench_serve_smoke(server: Server) -> None:
+    from eeserve.server.bench_serve import bench_serve, exit_modes, format_table
+
+    rows = bench_serve(
+        server.base,
+        server.model,
+        PROMPTS[:4],
+        [50.0, math.inf],
+        max_tokens=4,
+        modes=exit_modes(0.0, "softmax_margin"),
+        api_key=API_KEY,
+    )
+    assert [(r["mode"], r["rate"]) for r in rows] == [
+        ("full_depth", 50.0),
+        ("full_depth", math.inf),
+        ("early_exit", 50.0),
+        ("early_exit", math.inf),
+    ]
+    for r in rows:
+        assert r["errors"] == 0 and r["completion_tokens"] == 16, r
+        assert r["ttft_ms"]["p50"] > 0 and r["output_tokens_per_s"] > 0
+    assert rows[0]["mean_exit_layer"] == 4 and rows[2]["mean_exit_layer"] < 4
+    assert "early_exit" in format_table(rows)
 
 
 # -- hard edges ----------------------------------------------------------------------------------

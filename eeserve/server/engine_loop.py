@@ -144,6 +144,8 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._deadline: float | None = None
+        self._closing = threading.Lock()
+        self._closed = False
 
     # -- lifecycle (event-loop side) ------------------------------------------------------------
 
@@ -191,27 +193,40 @@ class EngineLoop:
 
     def _post(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.append((fn, future))
+        with self._closing:
+            if self._closed:
+                future.set_exception(ShuttingDown("the engine thread has stopped"))
+                return future
+            self._commands.append((fn, future))
         self._wake.set()
         return future
 
     # -- the worker thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
-            self._wake.clear()
-            self._run_commands()
-            if self._stopping:
-                break
-            if self._deadline is not None and time.monotonic() >= self._deadline:
-                self._fail_all("the server shut down before the request finished")
-            if self.engine.has_unfinished_requests():
-                self._step()
-            else:
-                self._wake.wait(_IDLE_WAIT_S)
-        self._run_commands()
-        self._fail_all("the server shut down before the request finished")
-        self._update_gauges()
+        message = "the server shut down before the request finished"
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                self._run_commands()
+                if self._stopping:
+                    break
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    self._fail_all(message)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                else:
+                    self._wake.wait(_IDLE_WAIT_S)
+        except BaseException:
+            log.exception("the engine thread crashed")
+            message = "the engine thread crashed"
+            raise
+        finally:
+            with self._closing:  # commands posted from now on fail at once
+                self._stopping = self._closed = True
+                self._run_commands()
+            self._fail_all(message)
+            self._update_gauges()
 
     def _run_commands(self) -> None:
         while self._commands:
