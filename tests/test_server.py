@@ -88,7 +88,7 @@ class Server:
 def server(tiny_model_dir: Path) -> Iterator[Server]:
     srv = Server(tiny_model_dir, "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN))
     yield srv
-    assert srv.stop() == 0, srv.output()
+    assert srv.stop(signal.SIGINT) == 0, srv.output()  # SIGTERM is tested below
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +303,9 @@ BAD = [
     ("completions", {"early_exit": {"min_layer": 9}}, "early_exit.min_layer"),
     ("completions", {"early_exit": {"threshold": 0.5, "tolerance": 0.1}}, "early_exit"),
     ("completions", {"prompt": [1, 2, 10**6]}, "prompt"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"seed": 2**70}, "seed"),
+    ("completions", {"model": 5}, "model"),
 ]
 
 

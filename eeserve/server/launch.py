@@ -20,13 +20,19 @@ from typing import Any
 
 import uvicorn
 
-EXIT_POLICIES = ("per_sequence", "batch_all", "none")
-KV_FILL_STRATEGIES = ("fill", "recompute")
+from eeserve.config import EXIT_POLICIES, KV_FILL_STRATEGIES
+
+DESCRIPTION = (
+    "Serve MODEL over an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions "
+    "(streaming with SSE), /v1/models, /health, /metrics (Prometheus), docs at /docs. "
+    "Requests may carry an `early_exit` object {enabled, threshold | tolerance, measure, "
+    "min_layer}; responses report the mean exit layer and the fraction of layers saved."
+)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "serve", help="OpenAI-compatible HTTP server", description=__doc__
+        "serve", help="OpenAI-compatible HTTP server", description=DESCRIPTION
     )
     add_serve_args(p)
     p.set_defaults(func=run_serve)
@@ -133,7 +139,7 @@ class _GracefulServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eeserve.server", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m eeserve.server", description=DESCRIPTION)
     add_serve_args(parser)
     args = parser.parse_args(argv)
     try:

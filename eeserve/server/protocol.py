@@ -48,7 +48,7 @@ class _GenerationRequest(_Strict):
     temperature: float | None = Field(None, ge=0, description="0 = greedy; default 1")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k")
-    seed: int | None = Field(None, description="choice i of n uses seed + i")
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63, description="choice i of n uses seed + i")
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=128)
     stream: bool = False

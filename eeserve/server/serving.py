@@ -158,6 +158,8 @@ def completion_specs(
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = list(ctx.tokenizer(prompt).input_ids)
+            if not ids:
+                raise ApiError(400, "prompt is empty (no tokens)", param="prompt")
         else:
             text, ids = None, list(prompt)
         lens.append(len(ids))
