@@ -65,7 +65,11 @@ class AttnMeta:
                 kept_seq.append(si)
         idx = torch.tensor(keep_rows, dtype=torch.long, device=self.slot_mapping.device)
         meta = AttnMeta(self.slot_mapping[idx], spans)
-        if self.gather_slots is not None and self.key_mask is not None:
+        if (
+            self.gather_slots is not None
+            and self.key_mask is not None
+            and keep_rows == sorted(keep_rows)
+        ):
             sel = torch.tensor(kept_seq, dtype=torch.long, device=idx.device)
             meta.gather_slots = self.gather_slots[sel]
             meta.key_mask = self.key_mask[sel]

@@ -169,6 +169,9 @@ class LLMEngine:
         # before ``commit`` hashes that position's block, or the key lacks it and never matches
         # the key ``allocate`` computes later (a resumed sequence would miss its own blocks).
         seq.exit_layers.append(out.exit_layers[i])
+        debt = out.kv_debt[i] if out.kv_debt else None
+        if debt is not None:
+            seq.kv_debt = debt
         self.block_manager.commit(seq)
         token = out.token_ids[i]
         seq.output_token_ids.append(token)
@@ -208,7 +211,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        self.runner.sampler.release(seq.seq_id)
+        self.runner.release(seq.seq_id)
         self._seqs.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence) -> RequestOutput:

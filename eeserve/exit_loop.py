@@ -1,15 +1,20 @@
 """The layer loop with early exits: the model runner's half that decides depth row by row.
 
-Contract: ``run_exit_loop`` steps the decoder layers over a batch whose rows may leave early:
-- a row that must stop at a known depth (replaying an exited token after preemption) leaves
-  after that layer without producing a token;
+Contract: ``ExitLoop.run`` steps the decoder layers over a batch whose rows may leave early:
 - the sampled row of a sequence with an ``ExitPlan`` is checked at its exit layers; the policy
   (``per_sequence`` or ``batch_all``) says which rows leave, and those take their token from the
   exit head of that layer;
+- a row that must stop at a known depth (replaying an exited token after preemption, ``fill``)
+  leaves after that layer without producing a token;
 - ``fill``: before each layer j, the K/V of every row that left below j are computed from the
   row's exit hidden state (that layer's input norm, K/V projection, rotary) and written to the
-  cache, all such rows in one batched projection: the debt is paid before anything reads it.
-The result gives, per sequence, the logits of its token, its exit layer and confidence.
+  cache, all such rows in one batched projection: the debt is paid before anything reads it;
+- ``recompute``: rows that leave write nothing above their exit; their hidden state is returned as
+  KV debt. A later step carries the owed positions as passenger rows that join the sequence's new
+  row at the layer above their exit, so every layer the new row reads has their K/V first;
+  passengers stop where the new row stops and owe the rest.
+The result gives, per sequence, the logits of its token, its exit layer and confidence, and the
+new KV debt.
 """
 
 from __future__ import annotations
@@ -26,13 +31,24 @@ from eeserve.models.llama import LlamaForCausalLM, Rotary
 
 
 @dataclass
+class Passenger:
+    seq: int  # sequence index in the batch
+    position: int
+    join_layer: int  # first layer (1-based) it still has to run
+    hidden: torch.Tensor  # [D] its hidden state after layer join_layer - 1
+
+
+@dataclass
 class ExitBatch:
     """What the loop needs besides the model: per row and per sequence exit rules."""
 
     last_rows: list[int]  # per sequence, its sampled row
+    last_positions: list[int]  # per sequence, the position of that row
     plans: list[ExitPlan | None]  # per sequence, None = no exit check this step
     forced_depth: dict[int, int]  # row -> layer after which it stops (replayed exits)
     policy: str
+    fill: bool = True
+    passengers: dict[int, Passenger] = field(default_factory=dict)  # row -> owed position
 
 
 @dataclass
@@ -41,26 +57,24 @@ class ExitResult:
     exit_layers: list[int]
     confidences: list[float]
     layers_run: int
+    # Per sequence, positions still owed after this step: position -> (layer reached, hidden).
+    debts: list[dict[int, tuple[int, torch.Tensor]]]
 
 
 @dataclass
-class _Exited:
-    """Rows that left, kept for paying their KV debt in the layers above."""
+class _State:
+    """The running rows (original row ids, in the order of ``h``) and what has been decided."""
 
-    h: list[torch.Tensor] = field(default_factory=list)
-    cos: list[torch.Tensor] = field(default_factory=list)
-    sin: list[torch.Tensor] = field(default_factory=list)
-    slots: list[torch.Tensor] = field(default_factory=list)
-
-    def add(self, h: torch.Tensor, rot: Rotary, slots: torch.Tensor) -> None:
-        self.h.append(h)
-        self.cos.append(rot.cos)
-        self.sin.append(rot.sin)
-        self.slots.append(slots)
-        if len(self.h) > 1:  # keep one tensor each, so every layer projects them in one call
-            self.h, self.cos, self.sin, self.slots = (
-                [torch.cat(x)] for x in (self.h, self.cos, self.sin, self.slots)
-            )
+    active: list[int]
+    h: torch.Tensor  # [n_active, D]
+    out_logits: list[torch.Tensor | None]
+    exit_layer: list[int]
+    conf: list[float]
+    marked: dict[int, bool]
+    debts: list[dict[int, tuple[int, torch.Tensor]]]
+    fill_h: torch.Tensor | None = None  # rows that left (fill): exit hidden [E, D]
+    fill_rows: list[int] = field(default_factory=list)
+    layers_run: int = 0
 
 
 class ExitLoop:
@@ -87,108 +101,154 @@ class ExitLoop:
         return self.lm_head(normed).float()  # type: ignore[no-any-return]
 
     @torch.inference_mode()
-    def run(self, h: torch.Tensor, rot: Rotary, meta: AttnMeta, batch: ExitBatch) -> ExitResult:
+    def run(self, h0: torch.Tensor, rot0: Rotary, meta0: AttnMeta, b: ExitBatch) -> ExitResult:
         num_layers = len(self.model.layers)
-        n_seq = len(batch.last_rows)
-        seq_of_row = {r: s for s, r in enumerate(batch.last_rows)}
-        active = list(range(h.shape[0]))  # original row ids, in the order of ``h``
-        out_logits: list[torch.Tensor | None] = [None] * n_seq
-        exit_layer = [num_layers] * n_seq
-        conf = [1.0] * n_seq
-        marked = dict.fromkeys(range(n_seq), False)
-        exited = _Exited()
-        layers_run = 0
-        check_layers = {lay for p in batch.plans if p is not None for lay in p.thresholds}
-        check_layers |= set(batch.forced_depth.values())
-
+        n_seq = len(b.last_rows)
+        seq_of_row = {r: s for s, r in enumerate(b.last_rows)}
+        active = [r for r in range(h0.shape[0]) if r not in b.passengers]
+        st = _State(
+            active,
+            h0[active] if b.passengers else h0,
+            [None] * n_seq,
+            [num_layers] * n_seq,
+            [1.0] * n_seq,
+            dict.fromkeys(range(n_seq), False),
+            [{} for _ in range(n_seq)],
+        )
+        for p in b.passengers.values():  # owed until carried further below
+            st.debts[p.seq][p.position] = (p.join_layer - 1, p.hidden)
+        rot, meta = self._reindex(st, rot0, meta0) if b.passengers else (rot0, meta0)
+        checks = {lay for p in b.plans if p is not None for lay in p.thresholds}
+        checks |= set(b.forced_depth.values())
         for j, layer in enumerate(self.model.layers, start=1):
-            if exited.h:
-                k, v = layer.kv_from_hidden(exited.h[0], Rotary(exited.cos[0], exited.sin[0]))
-                self.kv.write(j - 1, exited.slots[0], k, v)
-            if not active:
+            if st.fill_h is not None:
+                rows = torch.tensor(st.fill_rows, dtype=torch.long, device=h0.device)
+                k, v = layer.kv_from_hidden(st.fill_h, rot0.select(rows))
+                self.kv.write(j - 1, meta0.slot_mapping[rows], k, v)
+            joined = self._join(st, b, j, seq_of_row)
+            if joined:
+                rot, meta = self._reindex(st, rot0, meta0)
+            if not st.active:
                 continue
-            h_prev = h
-            h = layer(h, rot, partial(self.kv.attend, meta=meta))
-            layers_run += len(active)
-            if j not in check_layers or j == num_layers:
-                continue
-            leave = self._check(
-                j, h, h_prev, active, batch, seq_of_row, marked, out_logits, exit_layer, conf
-            )
-            if leave:
-                keep = [i for i in range(len(active)) if i not in leave]
-                idx = torch.tensor(sorted(leave), dtype=torch.long, device=h.device)
-                exited.add(h[idx], rot.select(idx), meta.slot_mapping[idx])
-                active = [active[i] for i in keep]
-                if active:
-                    keep_t = torch.tensor(keep, dtype=torch.long, device=h.device)
-                    h, rot, meta = h[keep_t], rot.select(keep_t), meta.subset(keep)
+            h_prev = st.h
+            st.h = layer(st.h, rot, partial(self.kv.attend, meta=meta))
+            st.layers_run += len(st.active)
+            if j in checks and j < num_layers:
+                leave = self._check(j, h_prev, st, b, seq_of_row)
+                if leave:
+                    self._leave(st, b, j, leave, seq_of_row)
+                    if st.active:
+                        rot, meta = self._reindex(st, rot0, meta0)
+        self._finish(st, b, seq_of_row, num_layers)
+        assert all(x is not None for x in st.out_logits), "a sequence produced no logits"
+        logits = torch.stack(st.out_logits)  # type: ignore[arg-type]
+        return ExitResult(logits, st.exit_layer, st.conf, st.layers_run, st.debts)
 
-        if active:
-            pos = [i for i, r in enumerate(active) if r in seq_of_row]
-            if pos:
-                idx = torch.tensor(pos, dtype=torch.long, device=h.device)
-                final = self.lm_head(self.model.final_norm(h[idx])).float()
-                for k_, i in enumerate(pos):
-                    out_logits[seq_of_row[active[i]]] = final[k_]
-        assert all(x is not None for x in out_logits), "a sequence produced no logits"
-        return ExitResult(torch.stack(out_logits), exit_layer, conf, layers_run)  # type: ignore[arg-type]
+    @staticmethod
+    def _reindex(st: _State, rot0: Rotary, meta0: AttnMeta) -> tuple[Rotary, AttnMeta]:
+        idx = torch.tensor(st.active, dtype=torch.long, device=st.h.device)
+        return rot0.select(idx), meta0.subset(st.active)
+
+    @staticmethod
+    def _join(st: _State, b: ExitBatch, j: int, seq_of_row: dict[int, int]) -> bool:
+        """Passengers whose owed layers start at j board if their sequence's row still runs."""
+        running = {seq_of_row[r] for r in st.active if r in seq_of_row}
+        rows = [r for r, p in b.passengers.items() if p.join_layer == j and p.seq in running]
+        if not rows:
+            return False
+        st.h = torch.cat([st.h, torch.stack([b.passengers[r].hidden for r in rows])])
+        st.active = st.active + rows
+        return True
+
+    def _leave(
+        self, st: _State, b: ExitBatch, j: int, leave: set[int], seq_of_row: dict[int, int]
+    ) -> None:
+        # A sequence's passengers stop where its sampled row stops.
+        gone = {seq_of_row[st.active[i]] for i in leave if st.active[i] in seq_of_row}
+        leave |= {
+            i for i, r in enumerate(st.active) if r in b.passengers and b.passengers[r].seq in gone
+        }
+        idx = sorted(leave)
+        h_left = st.h[torch.tensor(idx, dtype=torch.long, device=st.h.device)]
+        rows_left = [st.active[i] for i in idx]
+        if b.fill:
+            st.fill_rows += rows_left
+            st.fill_h = h_left if st.fill_h is None else torch.cat([st.fill_h, h_left])
+        else:
+            self._owe(st, b, j, rows_left, h_left, seq_of_row)
+        keep = [i for i in range(len(st.active)) if i not in leave]
+        st.active = [st.active[i] for i in keep]
+        st.h = st.h[torch.tensor(keep, dtype=torch.long, device=st.h.device)]
+
+    @staticmethod
+    def _owe(
+        st: _State,
+        b: ExitBatch,
+        j: int,
+        rows: list[int],
+        h: torch.Tensor,
+        seq_of_row: dict[int, int],
+    ) -> None:
+        for r, hr in zip(rows, h):
+            if r in b.passengers:
+                p = b.passengers[r]
+                st.debts[p.seq][p.position] = (j, hr)
+            elif r in seq_of_row:
+                s = seq_of_row[r]
+                st.debts[s][b.last_positions[s]] = (j, hr)
+
+    def _finish(self, st: _State, b: ExitBatch, seq_of_row: dict[int, int], full: int) -> None:
+        for r in st.active:  # rows that ran every layer: nothing owed any more
+            if r in b.passengers:
+                p = b.passengers[r]
+                st.debts[p.seq].pop(p.position, None)
+        pos = [i for i, r in enumerate(st.active) if r in seq_of_row]
+        if pos:
+            idx = torch.tensor(pos, dtype=torch.long, device=st.h.device)
+            final = self.lm_head(self.model.final_norm(st.h[idx])).float()
+            for k, i in enumerate(pos):
+                st.out_logits[seq_of_row[st.active[i]]] = final[k]
 
     def _check(
-        self,
-        j: int,
-        h: torch.Tensor,
-        h_prev: torch.Tensor,
-        active: list[int],
-        batch: ExitBatch,
-        seq_of_row: dict[int, int],
-        marked: dict[int, bool],
-        out_logits: list[torch.Tensor | None],
-        exit_layer: list[int],
-        conf: list[float],
+        self, j: int, h_prev: torch.Tensor, st: _State, b: ExitBatch, seq_of_row: dict[int, int]
     ) -> set[int]:
-        """Positions (in ``active``) of rows that leave after layer ``j``; records their exits."""
-        leave = {i for i, r in enumerate(active) if batch.forced_depth.get(r) == j}
-        checked: list[int] = []  # positions in ``active``
-        for i, r in enumerate(active):
-            s = seq_of_row.get(r)
-            plan = batch.plans[s] if s is not None else None
-            if plan is not None and j in plan.thresholds:
-                checked.append(i)
+        """Positions (in ``st.active``) of rows that leave after layer ``j``; records exits."""
+        leave = {i for i, r in enumerate(st.active) if b.forced_depth.get(r) == j}
+        checked = [
+            i
+            for i, r in enumerate(st.active)
+            if r in seq_of_row and (p := b.plans[seq_of_row[r]]) is not None and j in p.thresholds
+        ]
         if not checked:
             return leave
-        plans = [batch.plans[seq_of_row[active[i]]] for i in checked]
-        idx = torch.tensor(checked, dtype=torch.long, device=h.device)
-        hc = h[idx]
+        seqs = [seq_of_row[st.active[i]] for i in checked]
+        plans: list[ExitPlan] = [b.plans[s] for s in seqs]  # type: ignore[misc]
+        idx = torch.tensor(checked, dtype=torch.long, device=st.h.device)
+        hc, hp = st.h[idx], h_prev[idx]
         c = [0.0] * len(checked)
         logits: torch.Tensor | None = None
-        for measure in {p.measure for p in plans}:  # type: ignore[union-attr]
-            rows = [k for k, p in enumerate(plans) if p.measure == measure]  # type: ignore[union-attr]
-            sel = torch.tensor(rows, dtype=torch.long, device=h.device)
+        for measure in {p.measure for p in plans}:
+            rows = [k for k, p in enumerate(plans) if p.measure == measure]
+            sel = torch.tensor(rows, dtype=torch.long, device=hc.device)
             lg = self.head_logits(j, hc[sel]) if measure in LOGIT_MEASURES else None
             probe = self.heads.probe(j, hc[sel]) if measure == "classifier" and self.heads else None
-            vals = confidence(measure, lg, hc[sel], h_prev[idx][sel], probe).tolist()
-            for k, v in zip(rows, vals):
+            for k, v in zip(rows, confidence(measure, lg, hc[sel], hp[sel], probe).tolist()):
                 c[k] = v
             if lg is not None and len(rows) == len(checked):
-                logits = lg  # rows in ``checked`` order: reusable for the tokens
-        ok = [ci >= p.thresholds[j] for ci, p in zip(c, plans)]  # type: ignore[union-attr]
-        seqs = [seq_of_row[active[i]] for i in checked]
-        sticky = [marked[s] for s in seqs]
-        all_checked = len(checked) == len(active)
-        go = decide(batch.policy, ok, sticky, all_checked)
+                logits = lg  # in ``checked`` order: reusable for the tokens
+        sticky = [st.marked[s] for s in seqs]
+        ok = [ci >= p.thresholds[j] for ci, p in zip(c, plans)]
+        sampled = sum(1 for r in st.active if r in seq_of_row)
+        go = decide(b.policy, ok, sticky, all_checked=len(checked) == sampled)
         for s, m in zip(seqs, sticky):
-            marked[s] = m
+            st.marked[s] = m
         leaving = [k for k, g in enumerate(go) if g]
         if leaving and logits is None:
-            sel = torch.tensor(leaving, dtype=torch.long, device=h.device)
+            sel = torch.tensor(leaving, dtype=torch.long, device=hc.device)
             part = self.head_logits(j, hc[sel])
-            for n, k in enumerate(leaving):
-                out_logits[seqs[k]] = part[n]
-        for k in leaving:
-            if logits is not None:
-                out_logits[seqs[k]] = logits[k]
-            exit_layer[seqs[k]] = j
-            conf[seqs[k]] = float(c[k])
+        for n, k in enumerate(leaving):
+            st.out_logits[seqs[k]] = logits[k] if logits is not None else part[n]
+            st.exit_layer[seqs[k]] = j
+            st.conf[seqs[k]] = float(c[k])
             leave.add(checked[k])
         return leave

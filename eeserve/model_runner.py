@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from eeserve.attention import AttnMeta, PagedKVCache, SeqSpan
-from eeserve.exit_loop import ExitBatch, ExitLoop
+from eeserve.exit_loop import ExitBatch, ExitLoop, Passenger
 from eeserve.exits import ExitConfig
 from eeserve.kernels import PackedLinear, can_pack, pack_for_cpu
 from eeserve.models.config import ModelConfig, rope_tables
@@ -32,6 +32,9 @@ class StepOutput:
     confidences: list[float]
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
     layers_run: int = 0  # sum over rows of decoder layers computed (telemetry, tests)
+    # ``recompute``: per sequence, the positions owed after this step -> layer reached (None:
+    # unchanged).
+    kv_debt: list[dict[int, int] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -79,6 +82,7 @@ class ModelRunner:
             self.lm_head = PackedLinear(model.lm_head.weight, None)
         if exit_heads is not None:
             exit_heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self._debt_hidden: dict[int, dict[int, torch.Tensor]] = {}
         self.exit_policy = exit_policy
         self.kv_fill = kv_fill
         shared = exit_config is None or exit_config.head == "shared"
@@ -91,6 +95,7 @@ class ModelRunner:
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def prepare(self, seqs: list[Sequence]) -> Batch:
+        """Rows: each sequence's owed positions (``recompute`` debt), then its new positions."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -98,14 +103,15 @@ class ModelRunner:
         last_rows: list[int] = []
         for seq in seqs:
             start, end = seq.num_computed_tokens, seq.num_tokens
-            rows = list(range(len(ids), len(ids) + end - start))
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(self._slots(seq, start, end))
+            pos = sorted(seq.kv_debt) + list(range(start, end))
+            rows = list(range(len(ids), len(ids) + len(pos)))
+            all_ids = seq.token_ids
+            ids.extend(all_ids[p] for p in pos)
+            positions.extend(pos)
+            slots.extend(self._slots(seq, p, p + 1)[0] for p in pos)
             context = torch.tensor(self._slots(seq, 0, end), dtype=torch.long)
-            spans.append(
-                SeqSpan(rows, list(range(start, end)), context.to(self.device), start == 0)
-            )
+            fresh = start == 0 and not seq.kv_debt
+            spans.append(SeqSpan(rows, pos, context.to(self.device), fresh))
             last_rows.append(rows[-1])
         dev = self.device
         meta = AttnMeta.build(spans, torch.tensor(slots, dtype=torch.long, device=dev))
@@ -141,21 +147,36 @@ class ModelRunner:
         # The first token comes from the prefill, which never exits.
         plans = [s.exit_plan if s.output_token_ids else None for s in seqs]
         forced: dict[int, int] = {}
-        if self.kv_fill == "fill":
-            full = self.config.num_layers
-            for seq, span in zip(seqs, batch.meta.spans):
-                for row, pos in zip(span.rows[:-1], span.q_positions[:-1]):
-                    depth = seq.kv_exit_layer(pos, full)
-                    if depth < full:  # replay: this position left early when first computed
-                        forced[row] = depth
-        if not forced and all(p is None for p in plans):
+        passengers: dict[int, Passenger] = {}
+        full = self.config.num_layers
+        for i, (seq, span) in enumerate(zip(seqs, batch.meta.spans)):
+            owed = self._debt_hidden.get(seq.seq_id, {})
+            for row, pos in zip(span.rows[:-1], span.q_positions[:-1]):
+                if pos in seq.kv_debt:
+                    passengers[row] = Passenger(i, pos, seq.kv_debt[pos] + 1, owed[pos])
+                elif self.kv_fill == "fill" and (depth := seq.kv_exit_layer(pos, full)) < full:
+                    forced[row] = depth  # replay: this position left early when first computed
+        if not forced and not passengers and all(p is None for p in plans):
             return None
-        return ExitBatch(batch.last_rows, plans, forced, self.exit_policy)
+        last_pos = [span.q_positions[-1] for span in batch.meta.spans]
+        fill = self.kv_fill == "fill"
+        return ExitBatch(
+            batch.last_rows, last_pos, plans, forced, self.exit_policy, fill, passengers
+        )
+
+    def release(self, seq_id: int) -> None:
+        """Forget per-request tensors (sampling generator, owed hidden states)."""
+        self.sampler.release(seq_id)
+        self._debt_hidden.pop(seq_id, None)
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence]) -> StepOutput:
+        for seq in seqs:
+            if not seq.kv_debt:  # paid, or dropped by preemption (recomputed at full depth)
+                self._debt_hidden.pop(seq.seq_id, None)
         batch = self.prepare(seqs)
         full = self.config.num_layers
+        kv_debt: dict[int, dict[int, int]] = {}
         eb = self._exit_batch(seqs, batch)
         if eb is None:
             normed, layers_run = self.forward(batch)
@@ -167,6 +188,10 @@ class ModelRunner:
             res = self.exit_loop.run(h, rot, batch.meta, eb)
             logits, layers_run = res.logits, res.layers_run
             exit_layers, confs = res.exit_layers, res.confidences
+            if not eb.fill:
+                for seq, debt in zip(seqs, res.debts):
+                    kv_debt[seq.seq_id] = {p: layer for p, (layer, _) in debt.items()}
+                    self._debt_hidden[seq.seq_id] = {p: h for p, (_, h) in debt.items()}
         tokens = self.sampler.sample(
             logits, [s.sampling_params for s in seqs], [s.seq_id for s in seqs]
         )
@@ -176,6 +201,7 @@ class ModelRunner:
             confidences=confs,
             logprobs=_logprobs(logits, seqs),
             layers_run=layers_run,
+            kv_debt=[kv_debt.get(s.seq_id) for s in seqs],
         )
 
 
