@@ -369,20 +369,22 @@ def test_api_key(server: Server) -> None:
 def test_disconnect_aborts_and_frees_blocks(server: Server, http: httpx.Client) -> None:
     before = _wait_idle(http)
     aborted = 'eeserve_requests_total{endpoint="/v1/completions",status="aborted"}'
-    body = {"model": server.model, "prompt": "x", "max_tokens": 240, "ignore_eos": True}
-    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+    n, max_tokens = 4, MAX_MODEL_LEN - 8
+    body = {"model": server.model, "prompt": "x", "max_tokens": max_tokens, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json={**body, "n": n, "stream": True}) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: {") for line in got)
+        assert _metrics(http)["eeserve_kv_blocks_used"] > 0
     # A whole-response request whose client gives up waiting is aborted as well.
     with pytest.raises(httpx.ReadTimeout):
-        http.post("/v1/completions", json=body, timeout=0.3)
+        http.post("/v1/completions", json={**body, "n": n}, timeout=0.2)
     after = _wait_idle(http)
     assert after["eeserve_kv_blocks_used"] == 0
     assert after["eeserve_num_requests_running"] == 0
     assert after[aborted] == before[aborted] + 2
     generated = after["eeserve_generation_tokens_total"] - before["eeserve_generation_tokens_total"]
-    assert generated < 2 * 240
+    assert generated < 2 * n * max_tokens
 
 
 def test_64_concurrent_streams(server: Server, http: httpx.Client) -> None:
@@ -475,14 +477,14 @@ def test_engine_loop_drain_fails_running_requests(tiny_model_dir: Path) -> None:
 
 # -- fuzzing from the OpenAPI schema -------------------------------------------------------------
 
-schemathesis = pytest.importorskip("schemathesis")
-
 
 @pytest.mark.parametrize("mode", ["positive", "negative"])
 def test_fuzz_no_server_errors(server: Server, mode: str) -> None:
     """Requests generated from /openapi.json (valid ones, then invalid ones): never a 5xx."""
     from hypothesis import given
     from hypothesis import strategies as st
+
+    schemathesis = pytest.importorskip("schemathesis")
 
     auth = {"Authorization": f"Bearer {API_KEY}"}
     schema = schemathesis.openapi.from_url(f"{server.base}/openapi.json", headers=auth)
