@@ -33,6 +33,7 @@ class Run:
     mean_itl_ms: float  # mean time between tokens of one request after its first token
     outputs: list[list[int]] = field(default_factory=list, repr=False)
     mean_exit_layer: float = 0.0
+    decode_tokens_per_s: float = 0.0  # tokens after each request's first / decode wall time
 
 
 def run_engine(
@@ -55,6 +56,7 @@ def run_engine(
             if out.finished:
                 done[out.request_id] = (now, out)
     end = time.perf_counter()
+    decode_start = max(first.values())
     outs = [done[k][1] for k in sorted(done, key=int)]
     itl = [(done[k][0] - first[k]) / max(1, max_tokens - 1) for k in done]
     layers = [x for o in outs for x in o.outputs[0].exit_layers[1:]]
@@ -63,6 +65,7 @@ def run_engine(
         mean_itl_ms=1000 * statistics.mean(itl),
         outputs=[o.outputs[0].token_ids for o in outs],
         mean_exit_layer=statistics.mean(layers) if layers else 0.0,
+        decode_tokens_per_s=len(prompts) * (max_tokens - 1) / max(end - decode_start, 1e-9),
     )
 
 
@@ -165,11 +168,43 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/bench.json")
+    p.add_argument("--sections", default="hf,exits", help="hf (engine vs HF), exits, or both")
+    p.add_argument("--policies", default="per_sequence,batch_all")
+    p.add_argument("--kv-fills", default="fill", help="fill, recompute or both")
+    p.add_argument("--thresholds", default="0.5,0.8,0.9,0.95")
+    p.add_argument("--measure", default=None, help="default: the model's exit config")
+    p.add_argument(
+        "--efficiency-layer",
+        type=int,
+        default=8,
+        help="exit layer of the threshold-0 efficiency check",
+    )
+    p.add_argument("--exit-dtype", default="float32")
     p.set_defaults(func=main)
+    sub_bench = p.add_subparsers(dest="bench_command", metavar="{serve}")
+    try:
+        from eeserve.server.bench_serve import add_bench_serve_parser
+    except ImportError:  # server dependencies missing: the offline benchmark still works
+        return
+    add_bench_serve_parser(sub_bench)
 
 
 def main(args: argparse.Namespace) -> int:
-    results = bench_vs_hf(args)
+    from transformers import AutoTokenizer
+
+    from eeserve.bench_exits import bench_exits
+    from eeserve.loader import resolve_model
+    from eeserve.prompts import fixed_length_ids, prompt_texts
+
+    sections = args.sections.split(",")
+    results: dict[str, Any] = {"machine": machine_description(), "args": vars(args)}
+    if "hf" in sections:
+        results.update(bench_vs_hf(args))
+    if "exits" in sections:
+        tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
+        batch = max(int(b) for b in args.batch_sizes.split(","))
+        prompts = fixed_length_ids(tok, prompt_texts(batch, seed=args.seed), args.prompt_len)
+        results["exits"] = bench_exits(args, prompts)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=str))

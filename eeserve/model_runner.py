@@ -199,14 +199,17 @@ class ModelRunner:
             token_ids=tokens.tolist(),
             exit_layers=exit_layers,
             confidences=confs,
-            logprobs=_logprobs(logits, seqs),
+            logprobs=_logprobs(logits, seqs, tokens),
             layers_run=layers_run,
             kv_debt=[kv_debt.get(s.seq_id) for s in seqs],
         )
 
 
-def _logprobs(logits: torch.Tensor, seqs: list[Sequence]) -> list[dict[int, float] | None]:
-    """Top-n log-probabilities of the raw model distribution, for rows that asked for them."""
+def _logprobs(
+    logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor
+) -> list[dict[int, float] | None]:
+    """Top-n log-probabilities of the raw model distribution, plus the sampled token's, for rows
+    that asked for them."""
     out: list[dict[int, float] | None] = []
     for i, seq in enumerate(seqs):
         n = seq.sampling_params.logprobs
@@ -215,5 +218,8 @@ def _logprobs(logits: torch.Tensor, seqs: list[Sequence]) -> list[dict[int, floa
             continue
         lp = logits[i].log_softmax(-1)
         top = lp.topk(max(n, 1))
-        out.append(dict(zip(top.indices.tolist(), top.values.tolist())))
+        entry = dict(zip(top.indices.tolist(), top.values.tolist()))
+        tok = int(tokens[i])
+        entry.setdefault(tok, float(lp[tok]))
+        out.append(entry)
     return out

@@ -1,0 +1,149 @@
+"""Early-exit section of ``eeserve bench``: speed next to quality, and engine efficiency.
+
+Contract: in one process, for each exit policy and KV-debt strategy and a sweep of thresholds,
+decode tokens/s and mean inter-token latency at each batch size are measured next to full depth
+on the same prompts, with token agreement and ROUGE-L of the early-exit text against the
+full-depth text and the mean exit layer. The efficiency check exits every decode token at one
+layer (threshold 0) and compares the measured speed-up with the ideal one from a cost model
+(FLOPs at large batch, weight bytes read at batch 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from eeserve.bench import Run, median_run, run_engine
+from eeserve.config import EngineConfig
+from eeserve.engine import LLMEngine
+from eeserve.exits import ExitParams
+from eeserve.models.config import ModelConfig
+from eeserve.quality import rouge_l, token_agreement
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-token cost of the pieces of a decode step, in FLOPs and in weight bytes read."""
+
+    layer: float
+    head: float
+    kv_fill: float
+    adapter: float
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, adapter_params: int = 0) -> CostModel:
+        d, hd = cfg.hidden_size, cfg.head_dim
+        qkv = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
+        layer = qkv + cfg.num_heads * hd * d + 3 * d * cfg.intermediate_size
+        return cls(
+            layer=float(layer),
+            head=float(cfg.vocab_size * d),
+            kv_fill=float(2 * cfg.num_kv_heads * hd * d),
+            adapter=float(adapter_params),
+        )
+
+    def ideal_ratio(self, num_layers: int, exit_layer: int) -> float:
+        """Cost(full depth) / cost(exit at ``exit_layer`` with ``fill``): one head projection
+        either way (the exit's logits give the token), fill K/V for the layers above. The same
+        ratio holds for FLOPs (2 per weight and row) and for weight bytes (one read per step)."""
+        full = num_layers * self.layer + self.head
+        early = exit_layer * self.layer + self.head + self.adapter
+        early += (num_layers - exit_layer) * self.kv_fill
+        return full / early
+
+
+def _quality(ref: Run, run: Run, tokenizer: Any) -> tuple[float, float]:
+    agree = statistics.mean(token_agreement(a, b) for a, b in zip(run.outputs, ref.outputs))
+    rouge = statistics.mean(
+        rouge_l(tokenizer.decode(a), tokenizer.decode(b)) for a, b in zip(run.outputs, ref.outputs)
+    )
+    return agree, rouge
+
+
+def bench_exits(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    thresholds = [float(t) for t in args.thresholds.split(",")]
+    for policy in args.policies.split(","):
+        for kv_fill in args.kv_fills.split(","):
+            engine = LLMEngine(
+                EngineConfig(
+                    model=args.model,
+                    dtype=args.exit_dtype,
+                    exit_policy=policy,
+                    kv_fill=kv_fill,
+                    enable_prefix_caching=False,
+                    max_num_seqs=max(batch_sizes),
+                )
+            )
+            run_engine(engine, prompts[:2], 4, ExitParams(enabled=False))  # warm-up
+            for b in batch_sizes:
+                rows += _sweep(engine, args, prompts[:b], policy, kv_fill, thresholds)
+    return rows
+
+
+def _sweep(
+    engine: LLMEngine,
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    policy: str,
+    kv_fill: str,
+    thresholds: list[float],
+) -> list[dict[str, Any]]:
+    measure = args.measure or engine.exit_config.default_measure
+    run = partial(run_engine, engine, prompts, args.max_tokens)
+    full = median_run(partial(run, ExitParams(enabled=False)), args.repeats)
+    rows: list[dict[str, Any]] = []
+    cfg = engine.model_config
+    cost = CostModel.of(cfg)
+    settings: list[tuple[str, ExitParams]] = [
+        (f"{t:g}", ExitParams(threshold=t, measure=measure)) for t in thresholds
+    ]
+    settings.append(
+        (
+            f"0@{args.efficiency_layer}",
+            ExitParams(
+                threshold=0.0, measure="softmax_margin", exit_layers=[args.efficiency_layer]
+            ),
+        )
+    )
+    for label, params in settings:
+        r = median_run(partial(run, params), args.repeats)
+        agree, rouge = _quality(full, r, engine.tokenizer)
+        ratio = r.decode_tokens_per_s / full.decode_tokens_per_s
+        row = {
+            "policy": policy,
+            "kv_fill": kv_fill,
+            "batch": len(prompts),
+            "threshold": label,
+            "measure": params.measure,
+            "decode_tok_s": r.decode_tokens_per_s,
+            "full_decode_tok_s": full.decode_tokens_per_s,
+            "ratio": ratio,
+            "itl_ms": r.mean_itl_ms,
+            "full_itl_ms": full.mean_itl_ms,
+            "mean_exit_layer": r.mean_exit_layer,
+            "token_agreement": agree,
+            "rouge_l": rouge,
+        }
+        if label.startswith("0@") and kv_fill == "fill":
+            ideal = cost.ideal_ratio(cfg.num_layers, round(r.mean_exit_layer))
+            row.update(ideal_ratio=ideal, efficiency=ratio / ideal)
+        rows.append(row)
+        eff = (
+            f"  ideal {row['ideal_ratio']:.2f}x  measured/ideal {row['efficiency']:.0%}"
+            if "efficiency" in row
+            else ""
+        )
+        print(
+            f"{policy:12s} {kv_fill:9s} batch {len(prompts):3d} thr {label:>6s}: "
+            f"{r.decode_tokens_per_s:7.1f} tok/s ({ratio:.2f}x full {full.decode_tokens_per_s:.1f})"
+            f"  ITL {r.mean_itl_ms:6.1f} ms (full {full.mean_itl_ms:.1f})"
+            f"  exit {r.mean_exit_layer:5.2f}"
+            f"  agree {agree:.3f}  ROUGE-L {rouge:.3f}{eff}",
+            flush=True,
+        )
+    return rows
