@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -22,8 +23,20 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check(
+            self.stop is None or isinstance(self.stop, (list, tuple)),
+            "stop",
+            "a string or a list of non-empty strings",
+            self.stop,
+        )
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(
+            isinstance(self.stop_token_ids, (list, tuple)),
+            "stop_token_ids",
+            "a list of token ids >= 0",
+            self.stop_token_ids,
+        )
+        self.stop_token_ids = list(self.stop_token_ids)
         _check(
             _is_int(self.max_tokens) and self.max_tokens >= 1,
             "max_tokens",
@@ -45,7 +58,12 @@ class SamplingParams:
         _check(
             _is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p
         )
-        _check(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
+        _check(
+            self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+            "seed",
+            "an integer in [-2**63, 2**64) or None",
+            self.seed,
+        )
         _check(
             all(isinstance(s, str) and s for s in self.stop),
             "stop",
@@ -58,6 +76,7 @@ class SamplingParams:
             "a list of token ids >= 0",
             self.stop_token_ids,
         )
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
         _check(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
             "logprobs",
@@ -75,7 +94,8 @@ def _is_int(x: object) -> bool:
 
 
 def _is_num(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
+    # Finite only: NaN and infinities would turn the sampling distribution into NaN.
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _check(ok: bool, name: str, expected: str, value: object) -> None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from eeserve import LLM
 
 _TEXT = [
     "The quick brown fox jumps over the lazy dog.",
@@ -54,9 +57,17 @@ def build_tiny_model(
     tie: bool = True,
     arch: str = "llama",
     max_pos: int = 512,
+    norm_noise: float = 0.0,
+    weight_std: float = 0.08,
     **extra: Any,
 ) -> Path:
-    """Write a random Llama (or Qwen2 with ``arch='qwen2'``) with its tokenizer into ``folder``."""
+    """Write a random Llama (or Qwen2 with ``arch='qwen2'``) with its tokenizer into ``folder``.
+
+    Every matrix and every bias (Qwen2's q/k/v biases) is random, so that a bias or a projection
+    loaded into the wrong place changes the logits. ``norm_noise > 0`` also makes the RMSNorm
+    weights ``1 + N(0, norm_noise)`` instead of ones, so that swapped norms show too. With the
+    default ``weight_std`` greedy output mostly repeats one token; about 0.2 gives varied tokens.
+    """
     tok = build_tokenizer()
     torch.manual_seed(seed)
     common: dict[str, Any] = dict(
@@ -81,11 +92,108 @@ def build_tiny_model(
         model = LlamaForCausalLM(LlamaConfig(**common))
     # Larger-than-default weights so that different layers disagree and logits are not flat.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
-                p.normal_(0, 0.08)
+                p.normal_(0, weight_std)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.2)
+            elif name.endswith("norm.weight") and norm_noise > 0:
+                p.add_(torch.randn_like(p) * norm_noise)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["architectures"], cfg
     return folder
+
+
+# -- Oracles and engine checks shared by the test modules ------------------------------------
+
+
+def load_hf(folder: Path) -> Any:
+    """The HF transformers reference model for ``folder``, float32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF ``generate`` greedy continuation of one unpadded prompt, EOS ignored."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(prompt_ids) :]]
+
+
+def hf_logprobs(model: Any, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), V]: log-softmax of HF's logits at every position of one forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0]
+    return logits.float().log_softmax(-1)
+
+
+def logprob_error(
+    prompt_ids: list[int], token_ids: list[int], logprobs: list[dict[int, float]] | None, ref: Any
+) -> float:
+    """Largest |engine - reference| over every returned logprob of a completion.
+
+    ``ref`` is ``hf_logprobs`` over ``prompt_ids + token_ids``: generated token ``j`` was
+    predicted at position ``len(prompt_ids) - 1 + j``. Also checks that each entry holds the
+    reference's top tokens (nothing outside it is more likely than what it holds).
+    """
+    assert logprobs is not None, "no logprobs returned"
+    assert len(logprobs) == len(token_ids), (len(logprobs), len(token_ids))
+    worst = 0.0
+    for j, entry in enumerate(logprobs):
+        row = ref[len(prompt_ids) - 1 + j]
+        assert entry, f"empty logprobs entry at token {j}"
+        for tid, value in entry.items():
+            worst = max(worst, abs(float(row[tid]) - value))
+        others = row.clone()
+        others[list(entry)] = float("-inf")
+        assert float(others.max()) <= min(entry.values()) + 1e-4, f"token {j}: not the top-n"
+    return worst
+
+
+_LIVE_LLMS: weakref.WeakSet[LLM] = weakref.WeakSet()
+
+
+def make_llm(model: str | Path, **options: Any) -> LLM:
+    """An ``LLM`` that the suite's autouse fixture checks for leaks after every test."""
+    llm = LLM(str(model), **options)
+    _LIVE_LLMS.add(llm)
+    return llm
+
+
+def live_llms() -> list[LLM]:
+    return list(_LIVE_LLMS)
+
+
+def assert_engine_clean(llm: LLM) -> None:
+    """No request left behind and every KV block back in the free pool with no reference."""
+    engine = llm.engine
+    bm = engine.block_manager
+    assert not engine.has_unfinished_requests(), "requests left in the scheduler"
+    assert engine.num_unfinished == 0, "requests left in the engine"
+    held = [b.block_id for b in bm.blocks if b.ref_count != 0]
+    assert not held, f"blocks still referenced: {held[:10]}"
+    assert bm.num_free_blocks == bm.num_blocks, (bm.num_free_blocks, bm.num_blocks)
+
+
+def kv_block_bytes(llm: LLM, block_size: int) -> int:
+    """Bytes of one KV block of ``llm``'s model (for sizing a deliberately small pool)."""
+    cfg = llm.engine.model_config
+    itemsize = llm.engine.config.resolved_dtype().itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize * block_size
+
+
+def random_prompt(length: int, seed: int, vocab_size: int) -> list[int]:
+    """A reproducible prompt of ``length`` ordinary token ids (the 3 special ids excluded)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(3, vocab_size, (length,), generator=gen)]
