@@ -29,8 +29,9 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+def can_pack(device: torch.device, dtype: torch.dtype, hidden_size: int) -> bool:
+    """Packing pays off for real model sizes; tiny test models only see its call overhead."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available() or hidden_size < 256:
         return False
     return dtype == torch.float32 or (
         dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()

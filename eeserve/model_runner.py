@@ -77,7 +77,7 @@ class ModelRunner:
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
         self.sampler = Sampler()
         self.lm_head: torch.nn.Module = model.lm_head
-        if can_pack(device, dtype):
+        if can_pack(device, dtype, config.hidden_size):
             pack_for_cpu(model)
             self.lm_head = PackedLinear(model.lm_head.weight, None)
         if exit_heads is not None:
@@ -217,9 +217,10 @@ def _logprobs(
             out.append(None)
             continue
         lp = logits[i].log_softmax(-1)
-        top = lp.topk(max(n, 1))
-        entry = dict(zip(top.indices.tolist(), top.values.tolist()))
         tok = int(tokens[i])
-        entry.setdefault(tok, float(lp[tok]))
+        entry = {tok: float(lp[tok])}  # the sampled token always, then the top n (vLLM)
+        if n > 0:
+            top = lp.topk(n)
+            entry.update(zip(top.indices.tolist(), top.values.tolist()))
         out.append(entry)
     return out
