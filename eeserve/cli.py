@@ -12,41 +12,7 @@ import sys
 import time
 from typing import Any
 
-from eeserve.config import EXIT_POLICIES, KV_FILL_STRATEGIES
-
-
-def add_engine_args(p: argparse.ArgumentParser, model_default: str | None = "smollm2") -> None:
-    p.add_argument("--model", default=model_default, help="smollm2, an HF folder or a .gguf file")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument(
-        "--kv-cache-memory",
-        type=float,
-        default=512 * 2**20,
-        help="KV pool: bytes, or a fraction (0, 1] of free memory",
-    )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--exit-policy", default="per_sequence", choices=EXIT_POLICIES)
-    p.add_argument("--kv-fill", default="fill", choices=KV_FILL_STRATEGIES)
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        exit_policy=args.exit_policy,
-        kv_fill=args.kv_fill,
-    )
+from eeserve.engine_args import add_engine_args, engine_config
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -56,6 +22,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("fetch", help="download and convert the default model (once)")
 
     g = sub.add_parser("generate", help="generate text, streamed to the terminal")
+    g.add_argument("--model", default="smollm2", help="smollm2, an HF folder or a .gguf file")
     add_engine_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
@@ -112,13 +79,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from eeserve.config import EngineConfig
     from eeserve.engine import LLMEngine
     from eeserve.exits import ExitParams
     from eeserve.llm import chat_token_ids
     from eeserve.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=args.model, **engine_options(args)))
+    engine = LLMEngine(engine_config(args))
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

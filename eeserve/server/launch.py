@@ -20,7 +20,7 @@ from typing import Any
 
 import uvicorn
 
-from eeserve.config import EXIT_POLICIES, KV_FILL_STRATEGIES
+from eeserve.engine_args import add_engine_args, engine_config
 
 DESCRIPTION = (
     "Serve MODEL over an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions "
@@ -63,40 +63,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
-    g = p.add_argument_group("engine options")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    g.add_argument(
-        "--kv-cache-memory",
-        type=float,
-        default=512 * 2**20,
-        help="KV pool: bytes, or a fraction (0, 1] of free memory",
-    )
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--exit-policy", default="per_sequence", choices=EXIT_POLICIES)
-    g.add_argument("--kv-fill", default="fill", choices=KV_FILL_STRATEGIES)
-
-
-def _engine_config(args: argparse.Namespace) -> Any:
-    from eeserve.config import EngineConfig
-
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        exit_policy=args.exit_policy,
-        kv_fill=args.kv_fill,
-    )
+    add_engine_args(p.add_argument_group("engine options"))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -106,7 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", force=True
     )
-    engine = LLMEngine(_engine_config(args))
+    engine = LLMEngine(engine_config(args))
     app = create_app(
         engine, model_names=args.served_model_name or [args.model], api_key=args.api_key
     )

@@ -1,0 +1,45 @@
+"""Engine options on the command line, shared by every command that builds an engine.
+
+Contract: ``add_engine_args`` adds one flag per ``EngineConfig`` field (except the model, which
+each command names its own way); ``engine_config`` turns the parsed flags back into a config.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from eeserve.config import EXIT_POLICIES, KV_FILL_STRATEGIES, EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=512 * 2**20,
+        help="KV pool: bytes, or a fraction (0, 1] of free memory",
+    )
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--exit-policy", default="per_sequence", choices=EXIT_POLICIES)
+    p.add_argument("--kv-fill", default="fill", choices=KV_FILL_STRATEGIES)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        exit_policy=args.exit_policy,
+        kv_fill=args.kv_fill,
+    )
