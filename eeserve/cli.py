@@ -48,6 +48,12 @@ def _build_parser() -> argparse.ArgumentParser:
     from eeserve.bench import add_bench_parser
 
     add_bench_parser(sub)
+    from eeserve.tuning import add_tune_parser
+
+    add_tune_parser(sub)
+    from eeserve.calibrate_cmd import add_calibrate_parser
+
+    add_calibrate_parser(sub)
     try:
         from eeserve.server import add_serve_parser
     except ImportError:  # the server's dependencies are optional for offline use

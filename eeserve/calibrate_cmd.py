@@ -1,0 +1,398 @@
+"""``eeserve calibrate``: pick an exit threshold with a stated quality guarantee and store it.
+
+Contract:
+- Calibration prompts (a file, or ``prompt_texts(n, split="calib")``, disjoint from the tuning
+  data) are generated greedily (EOS respected, ``max_tokens`` at most) at full depth and, for each
+  candidate threshold from the most conservative down, with early exit under the chosen engine
+  policy. Each prompt's loss is 1 - ROUGE-L (``--loss rouge``, default) or 1 - token agreement
+  (``--loss tokens``) of the early-exit output against the full-depth output, a number in [0, 1].
+- ``eeserve.calibration`` (pure) tests each candidate (Learn-then-Test, fixed sequence, stopping
+  at the first non-rejection) and returns the most aggressive rejected one: with probability
+  >= 1 - epsilon its mean loss on traffic drawn like the calibration prompts is <= delta.
+- The result goes into the sidecar's ``exit_config.json``: a ``calibration`` entry {measure,
+  delta, epsilon, threshold, policy, loss, n, ...} (replacing an entry with the same measure,
+  delta, epsilon, policy and loss), ``thresholds[measure]`` and ``default_measure`` set to it and
+  ``enabled_by_default`` true. Target: ``--out-config DIR``; else the packaged sidecar of the
+  default model (which must exist: the tuned heads), else the model folder. Nothing is written
+  when no candidate is rejected. A table (candidate, mean loss, p-value, rejected, mean exit
+  layer, decode tokens/s ratio vs full depth) is printed either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eeserve.calibration import (
+    PVALUES,
+    CandidateRow,
+    check_candidate,
+    chosen_threshold,
+    order_candidates,
+)
+from eeserve.config import EXIT_POLICIES
+from eeserve.engine import LLMEngine
+from eeserve.exits import MEASURES, ExitConfig, ExitParams, calibrated_threshold
+from eeserve.quality import rouge_l, token_agreement
+from eeserve.sampling_params import SamplingParams
+
+DEFAULT_CANDIDATES = {
+    "softmax_margin": [0.999, 0.995, 0.99, 0.98, 0.97, 0.95, 0.93, 0.9, 0.85, 0.8, 0.7, 0.5],
+    "max_prob": [0.999, 0.995, 0.99, 0.98, 0.97, 0.95, 0.93, 0.9, 0.85, 0.8, 0.7, 0.5],
+    "classifier": [0.999, 0.995, 0.99, 0.98, 0.97, 0.95, 0.93, 0.9, 0.85, 0.8, 0.7, 0.5],
+    "hidden_cosine": [0.9999, 0.9995, 0.999, 0.998, 0.995, 0.99, 0.98, 0.95, 0.9],
+}
+LOSSES = ("rouge", "tokens")
+CHAT_MODES = ("no", "yes", "mixed")
+
+
+@dataclass
+class RunResult:
+    """Greedy outputs of a prompt set in input order, with decode speed and depth."""
+
+    token_ids: list[list[int]]
+    texts: list[str]
+    decode_tokens_per_s: float  # tokens of decode steps / wall time of decode steps
+    mean_exit_layer: float  # over decode tokens (the prefill token is always full depth)
+
+
+@dataclass
+class TableRow:
+    test: CandidateRow
+    mean_exit_layer: float
+    speed_ratio: float  # decode tokens/s at this candidate / at full depth
+
+
+def run_prompts(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, exit_params: ExitParams
+) -> RunResult:
+    """Generate greedily; steps that prefill are left out of the decode speed."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    order = {
+        engine.add_request(p, params, prompt_token_ids=p, exit_params=exit_params): i
+        for i, p in enumerate(prompts)
+    }
+    done: dict[int, Any] = {}
+    decode_s, decode_tokens = 0.0, 0
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        outs = engine.step()
+        elapsed = time.perf_counter() - start
+        if outs and all(len(o.outputs[0].token_ids) > 1 for o in outs):
+            decode_s += elapsed
+            decode_tokens += len(outs)
+        for o in outs:
+            if o.finished and o.request_id in order:
+                done[order[o.request_id]] = o.outputs[0]
+    outs_in_order = [done[i] for i in range(len(prompts))]
+    layers = [x for c in outs_in_order for x in c.exit_layers[1:]]
+    return RunResult(
+        token_ids=[list(c.token_ids) for c in outs_in_order],
+        texts=[c.text for c in outs_in_order],
+        decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("nan"),
+        mean_exit_layer=statistics.mean(layers) if layers else float("nan"),
+    )
+
+
+def consistency_losses(kind: str, run: RunResult, ref: RunResult) -> list[float]:
+    """Per prompt 1 - ROUGE-L of the texts (``rouge``) or 1 - token agreement (``tokens``)."""
+    if kind == "rouge":
+        scores = [rouge_l(a, b) for a, b in zip(run.texts, ref.texts)]
+    elif kind == "tokens":
+        scores = [token_agreement(a, b) for a, b in zip(run.token_ids, ref.token_ids)]
+    else:
+        raise ValueError(f"loss must be one of {LOSSES}, got {kind!r}")
+    return [min(1.0, max(0.0, 1.0 - s)) for s in scores]
+
+
+@dataclass
+class Calibration:
+    rows: list[TableRow]
+    threshold: float | None
+    full_decode_tokens_per_s: float
+    full_mean_exit_layer: float
+
+
+def calibrate(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    full_table: bool = False,
+) -> Calibration:
+    """Run full depth, then the candidates most conservative first (see the module docstring).
+
+    After the first non-rejection the sequence has stopped; later candidates are only run (and
+    shown as not tested) with ``full_table``.
+    """
+    run_prompts(engine, prompts[:2], 4, ExitParams(enabled=False))  # warm-up
+    ref = run_prompts(engine, prompts, args.max_tokens, ExitParams(enabled=False))
+    print(
+        f"full depth: {ref.decode_tokens_per_s:.1f} decode tok/s on {len(prompts)} prompts",
+        flush=True,
+    )
+    rows: list[TableRow] = []
+    stopped = False
+    for cand in order_candidates(args.candidates or DEFAULT_CANDIDATES[args.measure]):
+        if stopped and not full_table:
+            break
+        run = run_prompts(
+            engine, prompts, args.max_tokens, ExitParams(threshold=cand, measure=args.measure)
+        )
+        losses = consistency_losses(args.loss, run, ref)
+        test = check_candidate(cand, losses, args.delta, args.epsilon, args.pvalue)
+        if stopped:
+            test = dataclasses.replace(test, rejected=False, tested=False)
+        stopped = stopped or not test.rejected
+        row = TableRow(test, run.mean_exit_layer, run.decode_tokens_per_s / ref.decode_tokens_per_s)
+        rows.append(row)
+        print(format_row(row, engine.model_config.num_layers), flush=True)
+    return Calibration(
+        rows, chosen_threshold([r.test for r in rows]), ref.decode_tokens_per_s, ref.mean_exit_layer
+    )
+
+
+def format_row(row: TableRow, num_layers: int) -> str:
+    t = row.test
+    verdict = ("yes" if t.rejected else "no") if t.tested else "not tested"
+    return (
+        f"{t.candidate:>10g} {t.mean_loss:>10.4f} {t.p_value:>10.3g} {verdict:>10s} "
+        f"{row.mean_exit_layer:>9.2f}/{num_layers:<3d} {row.speed_ratio:>8.2f}x"
+    )
+
+
+def format_table(cal: Calibration, num_layers: int, args: argparse.Namespace) -> str:
+    head = (
+        f"{'candidate':>10s} {'mean loss':>10s} {'p-value':>10s} {'rejected':>10s} "
+        f"{'exit layer':>13s} {'tok/s ratio':>9s}"
+    )
+    lines = [
+        f"Learn-then-Test: measure {args.measure}, policy {args.exit_policy}, loss {args.loss}, "
+        f"delta {args.delta}, epsilon {args.epsilon}, p-value {args.pvalue}, n {cal.rows[0].test.n}"
+        if cal.rows
+        else "Learn-then-Test: no candidates",
+        head,
+        *(format_row(r, num_layers) for r in cal.rows),
+        f"full depth: {cal.full_decode_tokens_per_s:.1f} decode tok/s; chosen threshold: "
+        + (f"{cal.threshold:g}" if cal.threshold is not None else "none (no candidate rejected)"),
+    ]
+    return "\n".join(lines)
+
+
+# -- the exit config --------------------------------------------------------------------------
+
+
+def calibration_entry(args: argparse.Namespace, threshold: float, n: int) -> dict[str, object]:
+    return {
+        "measure": args.measure,
+        "delta": args.delta,
+        "epsilon": args.epsilon,
+        "threshold": threshold,
+        "policy": args.exit_policy,
+        "loss": args.loss,
+        "n": n,
+        "pvalue": args.pvalue,
+        "max_tokens": args.max_tokens,
+        "prompts": args.prompts or f"prompt_texts(split='calib', seed={args.seed})",
+        "chat": args.chat,
+    }
+
+
+def with_calibration(cfg: ExitConfig, entry: dict[str, object]) -> ExitConfig:
+    """A copy of ``cfg`` with ``entry`` first in ``calibration`` and its threshold the default."""
+    key = ("measure", "delta", "epsilon", "policy", "loss")
+    kept = [c for c in cfg.calibration if any(c.get(k) != entry[k] for k in key)]
+    measure = str(entry["measure"])
+    thresholds = {**cfg.thresholds, measure: float(entry["threshold"])}  # type: ignore[arg-type]
+    return dataclasses.replace(
+        cfg,
+        calibration=[entry, *kept],
+        thresholds=thresholds,
+        default_measure=measure,
+        enabled_by_default=True,
+    )
+
+
+def sidecar_source(model: str) -> Path | None:
+    """The folder whose sidecar the engine loaded for ``model`` (same search as the engine)."""
+    from eeserve.loader import packaged_sidecar, resolve_model
+    from eeserve.models.exit_heads import CONFIG_NAME
+
+    for folder in [resolve_model(model), packaged_sidecar(model)]:
+        if folder is not None and (folder / CONFIG_NAME).exists():
+            return folder
+    return None
+
+
+def target_folder(model: str, out_config: str | None) -> Path:
+    from eeserve.loader import DEFAULT_MODEL, packaged_sidecar, resolve_model
+
+    if out_config:
+        return Path(out_config)
+    if model == DEFAULT_MODEL:
+        packaged = packaged_sidecar(model)
+        if packaged is None:
+            raise ValueError(
+                "the default model has no packaged exit sidecar (eeserve/data/smollm2) to write "
+                "the calibration into; pass --out-config DIR"
+            )
+        return packaged
+    return resolve_model(model)
+
+
+_STRUCTURE = ("num_layers", "exit_layers", "head", "adapter", "adapter_rank", "classifier")
+
+
+def write_calibration(
+    model: str, out: Path, calibrated: ExitConfig, entry: dict[str, object]
+) -> Path:
+    """Merge ``entry`` into the sidecar at ``out`` (created from ``calibrated`` if absent)."""
+    from eeserve.models.exit_heads import CONFIG_NAME, WEIGHTS_NAME, load_sidecar, save_sidecar
+
+    found = load_sidecar(out)
+    if found is not None:
+        base = found[0]
+        differs = [f for f in _STRUCTURE if getattr(base, f) != getattr(calibrated, f)]
+        if differs:
+            raise ValueError(
+                f"{out / CONFIG_NAME} describes other exits than calibrated: {differs}"
+            )
+    else:
+        base = calibrated
+        source = sidecar_source(model)
+        if source is not None and (source / WEIGHTS_NAME).exists():
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source / WEIGHTS_NAME, out / WEIGHTS_NAME)
+    save_sidecar(out, with_calibration(base, entry), None)
+    return out / CONFIG_NAME
+
+
+# -- prompts and the command ------------------------------------------------------------------
+
+
+def load_prompts(args: argparse.Namespace, split: str, n: int) -> list[str]:
+    """The user's file (one prompt a line, or JSONL with "prompt"), else the offline set."""
+    if args.prompts and split == "calib":
+        lines = [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
+        texts = [
+            json.loads(ln)["prompt"] if args.prompts.endswith(".jsonl") else ln for ln in lines
+        ]
+        return texts[:n]
+    from eeserve.prompts import prompt_texts
+
+    return prompt_texts(n, seed=args.seed, split=split)
+
+
+def prompt_ids(engine: LLMEngine, texts: list[str], chat: str) -> list[list[int]]:
+    """Token ids: plain text (``no``), in the chat template (``yes``) or alternating (``mixed``,
+    as the exit-head tuning data)."""
+    from eeserve.llm import chat_token_ids
+
+    def wrap(i: int) -> bool:
+        return chat == "yes" or (chat == "mixed" and i % 2 == 0)
+
+    return [
+        chat_token_ids(engine.tokenizer, [{"role": "user", "content": t}])
+        if wrap(i)
+        else engine.tokenize(t)
+        for i, t in enumerate(texts)
+    ]
+
+
+def heldout_check(
+    engine: LLMEngine, args: argparse.Namespace, cfg: ExitConfig, threshold: float
+) -> dict[str, float]:
+    """Loss and speed at the calibrated threshold, reached through ``tolerance=delta``."""
+    resolved = calibrated_threshold(cfg, args.delta, args.measure)
+    assert resolved == threshold, (resolved, threshold)
+    prompts = prompt_ids(engine, load_prompts(args, args.check_split, args.check_n), args.chat)
+    ref = run_prompts(engine, prompts, args.max_tokens, ExitParams(enabled=False))
+    run = run_prompts(
+        engine, prompts, args.max_tokens, ExitParams(threshold=resolved, measure=args.measure)
+    )
+    losses = consistency_losses(args.loss, run, ref)
+    result = {
+        "n": float(len(prompts)),
+        "mean_loss": statistics.mean(losses),
+        "speed_ratio": run.decode_tokens_per_s / ref.decode_tokens_per_s,
+        "mean_exit_layer": run.mean_exit_layer,
+    }
+    print(
+        f"check on {len(prompts)} {args.check_split!r} prompts at threshold {resolved:g}: "
+        f"mean loss {result['mean_loss']:.4f} ({'<=' if result['mean_loss'] <= args.delta else '>'}"
+        f" delta {args.delta}), decode tok/s ratio {result['speed_ratio']:.2f}x, "
+        f"mean exit layer {run.mean_exit_layer:.2f}",
+        flush=True,
+    )
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    from eeserve.engine_args import engine_config
+
+    if args.exit_policy == "none":
+        raise ValueError("calibrate needs an exit policy (per_sequence or batch_all), not none")
+    for name in ("delta", "epsilon"):
+        if not 0 < getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be in (0, 1), got {getattr(args, name)}")
+    engine = LLMEngine(engine_config(args))
+    out = target_folder(args.model, args.out_config)  # fail before the long run, not after
+    prompts = prompt_ids(engine, load_prompts(args, "calib", args.n), args.chat)
+    cal = calibrate(engine, prompts, args, full_table=args.full_table)
+    print(format_table(cal, engine.model_config.num_layers, args))
+    report: dict[str, Any] = {"args": vars(args), "rows": [dataclasses.asdict(r) for r in cal.rows]}
+    report["threshold"] = cal.threshold
+    if cal.threshold is None:
+        print("no candidate passed the test: nothing written (try more prompts or fewer tokens)")
+    else:
+        entry = calibration_entry(args, cal.threshold, len(prompts))
+        path = write_calibration(args.model, out, engine.exit_config, entry)
+        print(f"wrote threshold {cal.threshold:g} for {args.measure} into {path}")
+        if args.check_n > 0:
+            new_cfg = with_calibration(engine.exit_config, entry)
+            report["check"] = heldout_check(engine, args, new_cfg, cal.threshold)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+    return 0 if cal.threshold is not None else 1
+
+
+def add_calibrate_parser(sub: Any) -> argparse.ArgumentParser:
+    from eeserve.engine_args import add_engine_args
+
+    p: argparse.ArgumentParser = sub.add_parser(
+        "calibrate",
+        help="calibrate the exit threshold for a quality target (Learn-then-Test)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", help="smollm2, an HF folder or a .gguf file")
+    p.add_argument("--delta", type=float, default=0.05, help="allowed mean consistency loss")
+    p.add_argument("--epsilon", type=float, default=0.05, help="allowed failure probability")
+    p.add_argument("--measure", default="softmax_margin", choices=MEASURES)
+    p.add_argument("--policy", dest="exit_policy", choices=EXIT_POLICIES, help="= --exit-policy")
+    p.add_argument("--loss", default="rouge", choices=LOSSES, help="1-ROUGE-L or 1-token agreement")
+    p.add_argument(
+        "--pvalue", default="hb", choices=sorted(PVALUES), help="Hoeffding-Bentkus or Hoeffding"
+    )
+    p.add_argument("--prompts", default=None, help="prompt file: one a line, or .jsonl with prompt")
+    p.add_argument("--n", type=int, default=200, help="number of calibration prompts (at most)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the offline prompt sets")
+    p.add_argument(
+        "--chat", default="no", choices=CHAT_MODES, help="chat template: no, yes, every other"
+    )
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--candidates", type=float, nargs="+", default=None, help="thresholds to test")
+    p.add_argument("--full-table", action="store_true", help="also run candidates after the stop")
+    p.add_argument("--out-config", default=None, help="sidecar folder to write exit_config.json to")
+    p.add_argument("--check-n", type=int, default=0, help="then check N held-out prompts")
+    p.add_argument("--check-split", default="heldout", help="prompt split of the check")
+    p.add_argument("--json", default=None, help="write the table and settings as JSON here")
+    add_engine_args(p.add_argument_group("engine options"))
+    p.set_defaults(func=main, kv_cache_memory=float(2 * 2**30), exit_policy="per_sequence")
+    return p

@@ -1,0 +1,303 @@
+"""Threshold calibration (issue 5): p-values, Learn-then-Test, and ``eeserve calibrate`` end to end.
+
+The statistical tests simulate many calibration runs with a fixed seed on synthetic losses of
+known mean; the end-to-end test calibrates a tiny random model and checks that the engine then
+exits with the calibrated threshold by default and for ``ExitParams(tolerance=delta)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eeserve.calibrate_cmd import target_folder, with_calibration
+from eeserve.calibration import (
+    bentkus_pvalue,
+    binom_cdf,
+    check_candidate,
+    hoeffding_bentkus_pvalue,
+    hoeffding_kl_pvalue,
+    hoeffding_pvalue,
+    learn_then_test,
+)
+from eeserve.cli import main as cli_main
+from eeserve.exits import ExitConfig, ExitParams, calibrated_threshold, resolve_exit_plan
+from eeserve.sampling_params import SamplingParams
+from tests.tiny_model import make_llm
+
+# -- p-values ----------------------------------------------------------------------------------
+
+
+def test_hoeffding_pvalue_sanity() -> None:
+    assert hoeffding_pvalue(0.05, 100, 0.05) == 1.0
+    assert hoeffding_pvalue(0.3, 100, 0.05) == 1.0
+    assert hoeffding_pvalue(0.0, 100, 0.1) == pytest.approx(math.exp(-2 * 100 * 0.01))
+    # Smaller with more data and with a smaller observed loss.
+    assert hoeffding_pvalue(0.01, 400, 0.05) < hoeffding_pvalue(0.01, 100, 0.05)
+    assert hoeffding_pvalue(0.0, 100, 0.05) < hoeffding_pvalue(0.02, 100, 0.05)
+    for r in (0.0, 0.01, 0.03, 0.05, 0.5, 1.0):
+        for n in (1, 10, 200):
+            for fn in (hoeffding_pvalue, hoeffding_kl_pvalue, bentkus_pvalue):
+                assert 0.0 <= fn(r, n, 0.05) <= 1.0
+            hb = hoeffding_bentkus_pvalue(r, n, 0.05)
+            assert hb <= hoeffding_kl_pvalue(r, n, 0.05) <= hoeffding_pvalue(r, n, 0.05) + 1e-12
+    # The KL form with no observed loss is exactly (1 - delta)^n.
+    assert hoeffding_kl_pvalue(0.0, 50, 0.05) == pytest.approx(0.95**50)
+    with pytest.raises(ValueError):
+        hoeffding_pvalue(1.5, 10, 0.05)
+    with pytest.raises(ValueError):
+        hoeffding_pvalue(0.1, 0, 0.05)
+
+
+def test_binom_cdf_matches_direct_sum() -> None:
+    for n, p in ((10, 0.3), (40, 0.05), (7, 0.9)):
+        for k in range(-1, n + 2):
+            direct = sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(0, k + 1))
+            assert binom_cdf(k, n, p) == pytest.approx(min(1.0, direct), abs=1e-12)
+
+
+@pytest.mark.parametrize("name", ["hoeffding", "hb"])
+def test_pvalues_are_valid_at_the_null_boundary(name: str) -> None:
+    """Losses with true mean exactly delta: P(p <= u) <= u (simulated)."""
+    rng = random.Random(0)
+    delta, n, trials = 0.2, 60, 3000
+    ps = []
+    for _ in range(trials):
+        losses = [1.0 if rng.random() < delta else 0.0 for _ in range(n)]
+        ps.append(check_candidate(0.5, losses, delta, 0.1, name).p_value)
+    for u in (0.05, 0.1, 0.2):
+        frac = sum(p <= u for p in ps) / trials
+        assert frac <= u + 3 * math.sqrt(u * (1 - u) / trials), (u, frac)
+
+
+# -- Learn-then-Test ---------------------------------------------------------------------------
+
+# Candidate thresholds (most conservative first) and the true mean loss of each.
+TRUE_MEANS = {0.99: 0.0, 0.95: 0.01, 0.9: 0.03, 0.8: 0.04, 0.7: 0.06, 0.5: 0.12, 0.3: 0.3}
+
+
+def _draw(rng: random.Random, mean: float, n: int) -> list[float]:
+    """Losses in [0, 1] with the given mean: a mixture of exact agreement and Beta losses."""
+    if mean == 0.0:
+        return [0.0] * n
+    # Loss is Beta(2, 2) (mean 0.5) with probability 2*mean, else 0: mean = mean.
+    return [rng.betavariate(2, 2) if rng.random() < 2 * mean else 0.0 for _ in range(n)]
+
+
+def _trial(rng: random.Random, n: int, delta: float, epsilon: float) -> tuple[float | None, float]:
+    losses = {c: _draw(rng, m, n) for c, m in TRUE_MEANS.items()}
+    ltt = learn_then_test(losses, delta, epsilon).threshold
+    safe = [c for c in sorted(losses, reverse=True) if sum(losses[c]) / n <= delta]
+    naive = safe[-1] if safe else max(losses)  # most aggressive with empirical mean <= delta
+    return ltt, naive
+
+
+def test_ltt_risk_is_controlled_over_repeated_trials() -> None:
+    """P(the returned threshold has true mean loss > delta) <= epsilon over repeated runs; the
+    naive rule (most aggressive empirical mean <= delta) breaks that on the same data."""
+    rng = random.Random(1234)
+    delta, epsilon, n, trials = 0.05, 0.1, 100, 1500
+    bad_ltt = bad_naive = chosen = 0
+    for _ in range(trials):
+        ltt, naive = _trial(rng, n, delta, epsilon)
+        if ltt is not None:
+            chosen += 1
+            bad_ltt += TRUE_MEANS[ltt] > delta
+        bad_naive += TRUE_MEANS[naive] > delta
+    assert chosen > trials // 2  # the test is not vacuous: LTT usually returns a threshold
+    assert bad_ltt / trials <= epsilon
+    assert bad_naive / trials > epsilon  # the setting is hard enough for the bound to matter
+
+
+def test_ltt_risk_at_the_boundary() -> None:
+    """An aggressive candidate just above delta (Bernoulli losses, the worst case for the bound)
+    is returned sometimes, but in at most an epsilon fraction of the trials."""
+    rng = random.Random(5)
+    delta, epsilon, n, trials = 0.05, 0.2, 500, 1000
+    bad = 0
+    for _ in range(trials):
+        aggressive = [1.0 if rng.random() < delta + 0.001 else 0.0 for _ in range(n)]
+        bad += learn_then_test({0.9: [0.0] * n, 0.5: aggressive}, delta, epsilon).threshold == 0.5
+    assert 0 < bad / trials <= epsilon
+
+
+def test_ltt_picks_the_most_aggressive_safe_candidate_with_plenty_of_data() -> None:
+    rng = random.Random(7)
+    delta, epsilon = 0.05, 0.05
+    for _ in range(3):
+        losses = {c: _draw(rng, m, 20000) for c, m in TRUE_MEANS.items()}
+        result = learn_then_test(losses, delta, epsilon)
+        assert result.threshold == 0.8  # true mean 0.04 <= 0.05 < 0.06
+        assert [r.rejected for r in result.rows] == [True] * 4 + [False] * 3
+        assert [r.tested for r in result.rows] == [True] * 5 + [False] * 2
+
+
+def test_ltt_stops_at_the_first_non_rejection() -> None:
+    """A later candidate that would pass on its own is not tested once the sequence stopped."""
+    losses = {0.9: [0.0] * 200, 0.8: [1.0] * 200, 0.5: [0.0] * 200}
+    result = learn_then_test(losses, 0.1, 0.05)
+    assert result.threshold == 0.9
+    assert [(r.candidate, r.rejected, r.tested) for r in result.rows] == [
+        (0.9, True, True),
+        (0.8, False, True),
+        (0.5, False, False),
+    ]
+    nothing = learn_then_test({0.9: [0.5] * 10}, 0.1, 0.05)
+    assert nothing.threshold is None
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        check_candidate(0.9, [0.0, 1.5], 0.1, 0.05)
+
+
+# -- the exit config ---------------------------------------------------------------------------
+
+
+def _entry(delta: float, threshold: float, policy: str = "per_sequence") -> dict[str, object]:
+    return {
+        "measure": "softmax_margin",
+        "delta": delta,
+        "epsilon": 0.05,
+        "threshold": threshold,
+        "policy": policy,
+        "loss": "rouge",
+        "n": 100,
+    }
+
+
+def test_with_calibration_replaces_the_same_entry_and_sets_the_default() -> None:
+    cfg = ExitConfig(4, [1, 2, 3], thresholds={"max_prob": 0.9}, default_measure="max_prob")
+    cfg = with_calibration(cfg, _entry(0.05, 0.9))
+    cfg = with_calibration(cfg, _entry(0.1, 0.7))
+    cfg = with_calibration(cfg, _entry(0.05, 0.8))  # recalibrated: replaces the first
+    assert [(c["delta"], c["threshold"]) for c in cfg.calibration] == [(0.05, 0.8), (0.1, 0.7)]
+    assert cfg.thresholds == {"max_prob": 0.9, "softmax_margin": 0.8}
+    assert cfg.default_measure == "softmax_margin" and cfg.enabled_by_default
+    assert calibrated_threshold(cfg, 0.05, "softmax_margin") == 0.8
+    assert calibrated_threshold(cfg, 0.2, "softmax_margin") == 0.7
+    with pytest.raises(ValueError, match=r"no calibration for tolerance 0\.01"):
+        calibrated_threshold(cfg, 0.01, "softmax_margin")
+
+
+def test_default_model_needs_its_packaged_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:
+    import eeserve.loader
+
+    monkeypatch.setattr(eeserve.loader, "packaged_sidecar", lambda spec: None)
+    with pytest.raises(ValueError, match="--out-config"):
+        target_folder("smollm2", None)
+    assert target_folder("smollm2", "/some/dir") == Path("/some/dir")
+
+
+# -- end to end on a tiny model ----------------------------------------------------------------
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "Paris",
+    "capital",
+    "France",
+    "one",
+    "two",
+    "three",
+]
+
+
+def _prompt_file(path: Path, n: int) -> Path:
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))) for _ in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_calibrate_command_writes_config_and_engine_uses_it(
+    tiny_varied_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_varied_dir, model)  # the session fixture stays without a sidecar
+    prompts = _prompt_file(tmp_path / "prompts.txt", 30)
+    delta = 0.2
+    argv = ["calibrate", str(model), "--prompts", str(prompts), "--n", "30"]
+    argv += ["--max-tokens", "6", "--delta", str(delta), "--epsilon", "0.1"]
+    argv += [
+        "--candidates",
+        "0.99",
+        "0.6",
+        "0.3",
+        "0.1",
+        "0.02",
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
+    assert cli_main(argv) == 0
+    table = capsys.readouterr().out
+    assert "candidate" in table and "p-value" in table and "chosen threshold" in table
+
+    cfg = json.loads((model / "exit_config.json").read_text())
+    (entry,) = cfg["calibration"]
+    chosen = entry["threshold"]
+    assert entry["measure"] == "softmax_margin" and entry["delta"] == delta
+    assert entry["epsilon"] == 0.1 and entry["policy"] == "per_sequence"
+    assert entry["loss"] == "rouge" and entry["n"] == 30
+    assert cfg["thresholds"] == {"softmax_margin": chosen} and cfg["enabled_by_default"] is True
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["threshold"] == chosen
+    rows = report["rows"]
+    assert rows[0]["test"]["candidate"] == 0.99 and rows[0]["test"]["rejected"]
+
+    llm = make_llm(model)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    texts = prompts.read_text().splitlines()[:4]
+    default = llm.generate(texts, sp, use_tqdm=False)
+    explicit = llm.generate(texts, sp, use_tqdm=False, exit_params=ExitParams(threshold=chosen))
+    tolerant = llm.generate(texts, sp, use_tqdm=False, exit_params=ExitParams(tolerance=delta))
+    for a, b, c in zip(default, explicit, tolerant):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+        assert a.outputs[0].exit_layers == b.outputs[0].exit_layers == c.outputs[0].exit_layers
+    plan = resolve_exit_plan(ExitParams(tolerance=delta), llm.engine.exit_config)
+    assert plan is not None and set(plan.thresholds.values()) == {chosen}
+    plan = resolve_exit_plan(None, llm.engine.exit_config)
+    assert plan is not None and set(plan.thresholds.values()) == {chosen}
+    with pytest.raises(ValueError, match="no calibration for tolerance"):
+        llm.generate(texts[:1], sp, use_tqdm=False, exit_params=ExitParams(tolerance=delta / 2))
+
+    # The server maps a request's early_exit.tolerance to the same plan.
+    pytest.importorskip("fastapi")
+    from eeserve.server.protocol import EarlyExitOptions
+    from eeserve.server.serving import to_exit_params
+
+    ep = to_exit_params(EarlyExitOptions(tolerance=delta), llm.engine.model_config.num_layers)
+    assert ep is not None and ep.tolerance == delta
+    assert resolve_exit_plan(ep, llm.engine.exit_config) == resolve_exit_plan(
+        ExitParams(threshold=chosen), llm.engine.exit_config
+    )
+
+
+def test_calibrate_into_out_config_leaves_the_model_alone(
+    tiny_varied_dir: Path, tmp_path: Path
+) -> None:
+    prompts = _prompt_file(tmp_path / "prompts.jsonl", 12)
+    prompts.write_text(
+        "".join(json.dumps({"prompt": ln}) + "\n" for ln in prompts.read_text().splitlines())
+    )
+    out = tmp_path / "sidecar"
+    argv = ["calibrate", str(tiny_varied_dir), "--prompts", str(prompts), "--n", "12"]
+    argv += ["--max-tokens", "4", "--delta", "0.3", "--epsilon", "0.2", "--loss", "tokens"]
+    argv += ["--candidates", "0.99", "0.5", "--out-config", str(out), "--policy", "batch_all"]
+    assert cli_main(argv) == 0
+    assert not (tiny_varied_dir / "exit_config.json").exists()
+    (entry,) = json.loads((out / "exit_config.json").read_text())["calibration"]
+    assert entry["loss"] == "tokens" and entry["policy"] == "batch_all" and entry["n"] == 12
+    # Nothing passes: exit status 1 and nothing written.
+    argv = ["calibrate", str(tiny_varied_dir), "--prompts", str(prompts), "--n", "3"]
+    argv += ["--max-tokens", "4", "--candidates", "0.99", "--out-config", str(tmp_path / "none")]
+    assert cli_main(argv) == 1
+    assert not (tmp_path / "none").exists()
