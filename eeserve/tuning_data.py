@@ -1,0 +1,309 @@
+"""Training and evaluation data for exit-head tuning: token groups in, hidden states out.
+
+Contract:
+- A ``Group`` is one context (``prompt``, never trained on) followed by one or more
+  ``continuations``, each of which sees the prompt and its own earlier tokens only. The trained
+  positions are the decode inputs of each continuation: the hidden state of continuation token j
+  predicts token j + 1 (the prompt's last position is a prefill position: it never exits).
+- ``self_generated`` makes groups without network: prompts from ``prompt_texts(split=...)``, as
+  plain text and in the chat template, each continued once greedily and once sampled by the
+  engine itself with exits disabled, so the heads learn what the model actually generates.
+- ``text_groups`` makes groups from the user's ``.txt`` (blank-line separated passages) or
+  ``.jsonl`` files (``{"text"}`` or ``{"prompt", "completion"}`` per line).
+- ``collect`` runs the frozen model once over every group (no KV cache; block-causal attention)
+  and keeps, at trained positions only: the hidden state after each exit layer, its cosine with
+  the state before that layer (``hidden_cosine``), the final-normed hidden state (the teacher's
+  logits are recomputed from it on the fly: 30k x 49152 fp32 logits would be 6 GB) and the
+  teacher's top-k token ids (the first is the final layer's argmax).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from eeserve.models.config import rope_tables
+from eeserve.models.llama import LlamaForCausalLM, Rotary
+
+
+@dataclass
+class Group:
+    prompt: list[int]
+    continuations: list[list[int]]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + sum(len(c) for c in self.continuations)
+
+    @property
+    def num_trained(self) -> int:
+        return sum(max(0, len(c) - 1) for c in self.continuations)
+
+
+@dataclass
+class Collected:
+    hidden: dict[int, torch.Tensor]  # exit layer -> [N, D] hidden after that layer
+    cosine: dict[int, torch.Tensor]  # exit layer -> [N] cos(h after, h before the layer)
+    final: torch.Tensor  # [N, D] final-normed hidden state (teacher = lm_head(final))
+    top_idx: torch.Tensor  # [N, k] int64, the teacher's top-k token ids (argmax first)
+
+    @property
+    def size(self) -> int:
+        return int(self.final.shape[0])
+
+    @property
+    def target(self) -> torch.Tensor:
+        return self.top_idx[:, 0]
+
+
+def groups_to_lists(groups: list[Group]) -> list[Any]:
+    return [[g.prompt, g.continuations] for g in groups]
+
+
+def groups_from_lists(raw: list[Any]) -> list[Group]:
+    return [Group(p, c) for p, c in raw]
+
+
+# -- making groups -----------------------------------------------------------------------------
+
+
+def self_generated(
+    llm: Any,
+    tokens: int,
+    split: str,
+    seed: int,
+    max_tokens: int = 192,
+    max_chars: int = 600,
+    batch: int = 64,
+) -> list[Group]:
+    """At least ``tokens`` trained positions of the model's own greedy and sampled output."""
+    from eeserve.exits import ExitParams
+    from eeserve.llm import chat_token_ids
+    from eeserve.prompts import prompt_texts
+    from eeserve.sampling_params import SamplingParams
+
+    groups: list[Group] = []
+    bar = tqdm(total=tokens, desc=f"generate ({split})", unit="tok")
+    made, round_ = 0, 0
+    while made < tokens:
+        texts = prompt_texts(batch, seed=seed + round_, split=split, max_chars=max_chars)
+        prompts: list[list[int]] = []
+        room = llm.engine.max_model_len - max_tokens
+        for i, text in enumerate(texts):  # half in the chat template, half as plain text
+            chat = (i + round_) % 2 == 0
+            msg = [{"role": "user", "content": text}]
+            ids = chat_token_ids(llm.tokenizer, msg) if chat else llm.engine.tokenize(text)
+            prompts.append(ids[-room:])  # only a tiny test model's context is this short
+        params = [SamplingParams(max_tokens=max_tokens, temperature=0.0) for _ in prompts]
+        params += [
+            SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.9, seed=seed * 7919 + j)
+            for j in range(round_ * batch, (round_ + 1) * batch)
+        ]
+        outs = llm.generate(
+            prompts + prompts, params, use_tqdm=False, exit_params=ExitParams(enabled=False)
+        )
+        for i, ids in enumerate(prompts):
+            conts = [list(outs[i].outputs[0].token_ids), list(outs[i + batch].outputs[0].token_ids)]
+            group = Group(ids, [c for c in conts if len(c) > 1])
+            if group.continuations and made < tokens:
+                groups.append(group)
+                made += group.num_trained
+                bar.update(group.num_trained)
+        round_ += 1
+    bar.close()
+    return groups
+
+
+def text_groups(files: list[Path], tokenizer: Any, max_len: int = 512) -> list[Group]:
+    """Groups from the user's files; long texts are cut into windows of ``max_len`` tokens."""
+    groups: list[Group] = []
+    for path in files:
+        for prompt, text in _read_texts(path):
+            p_ids = list(tokenizer(prompt).input_ids) if prompt else []
+            ids = list(tokenizer(text, add_special_tokens=not prompt).input_ids)
+            step = max(2, max_len - len(p_ids))
+            for start in range(0, len(ids), step):
+                chunk = ids[start : start + step]
+                if len(chunk) > 1:
+                    groups.append(Group(p_ids, [chunk]))
+    if not groups:
+        raise ValueError(f"no training text found in {[str(f) for f in files]}")
+    return groups
+
+
+def _read_texts(path: Path) -> Iterator[tuple[str, str]]:
+    if path.suffix == ".jsonl":
+        for n, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "text" in row:
+                yield "", str(row["text"])
+            elif "prompt" in row and "completion" in row:
+                yield str(row["prompt"]), str(row["completion"])
+            else:
+                raise ValueError(f"{path}:{n}: expected a 'text' or 'prompt'/'completion' field")
+    elif path.suffix == ".txt":
+        for para in path.read_text().split("\n\n"):
+            if para.strip():
+                yield "", para.strip()
+    else:
+        raise ValueError(f"{path}: training data must be a .txt or .jsonl file")
+
+
+# -- one forward pass over the groups ------------------------------------------------------------
+
+
+@dataclass
+class _Packed:
+    ids: torch.Tensor  # [n] token ids of all groups, flat
+    positions: torch.Tensor  # [n]
+    spans: list[tuple[int, int, torch.Tensor]]  # (start, end, attention mask [len, len])
+    rows: torch.Tensor  # [m] flat indices of trained positions
+
+
+def _pack(groups: list[Group]) -> _Packed:
+    ids: list[int] = []
+    pos: list[int] = []
+    spans: list[tuple[int, int, torch.Tensor]] = []
+    rows: list[int] = []
+    for g in groups:
+        start, p = len(ids), len(g.prompt)
+        ids += g.prompt
+        pos += range(p)
+        owner = [0] * p  # 0: prompt, i: continuation i
+        for i, c in enumerate(g.continuations, start=1):
+            rows += range(len(ids), len(ids) + len(c) - 1)
+            ids += c
+            pos += range(p, p + len(c))
+            owner += [i] * len(c)
+        own = torch.tensor(owner)
+        n = len(owner)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        visible = (own[None, :] == 0) | (own[None, :] == own[:, None])
+        spans.append((start, len(ids), causal & visible))
+    return _Packed(torch.tensor(ids), torch.tensor(pos), spans, torch.tensor(rows))
+
+
+def _attention(packed: _Packed) -> Any:
+    def attend(_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
+        for start, end, mask in packed.spans:
+            qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+            out[start:end] = o.squeeze(0).transpose(0, 1).reshape(end - start, -1)
+        return out
+
+    return attend
+
+
+def _chunks(groups: list[Group], chunk_tokens: int) -> Iterator[list[Group]]:
+    part: list[Group] = []
+    size = 0
+    for g in groups:
+        if part and size + g.num_tokens > chunk_tokens:
+            yield part
+            part, size = [], 0
+        part.append(g)
+        size += g.num_tokens
+    if part:
+        yield part
+
+
+@torch.inference_mode()
+def collect(
+    model: LlamaForCausalLM,
+    groups: list[Group],
+    exit_layers: list[int],
+    topk: int = 32,
+    chunk_tokens: int = 4096,
+    desc: str = "collect",
+) -> Collected:
+    """Hidden states at every trained position of ``groups`` (see the module docstring)."""
+    max_len = max(g.num_tokens for g in groups)
+    cos_t, sin_t = rope_tables(model.config, max_len)
+    wanted = set(exit_layers)
+    hidden: dict[int, list[torch.Tensor]] = {lay: [] for lay in exit_layers}
+    cosine: dict[int, list[torch.Tensor]] = {lay: [] for lay in exit_layers}
+    finals: list[torch.Tensor] = []
+    tops: list[torch.Tensor] = []
+    dtype = model.lm_head.weight.dtype
+    bar = tqdm(total=sum(g.num_trained for g in groups), desc=desc, unit="tok")
+    for part in _chunks(groups, chunk_tokens):
+        packed = _pack(part)
+        rot = Rotary(cos_t[packed.positions].to(dtype), sin_t[packed.positions].to(dtype))
+        attend = _attention(packed)
+        h = model.embed(packed.ids)
+        for j, layer in enumerate(model.layers, start=1):
+            h_next = layer(h, rot, attend)
+            if j in wanted:
+                after, before = h_next[packed.rows], h[packed.rows]
+                hidden[j].append(after.float())
+                cosine[j].append(F.cosine_similarity(after.float(), before.float(), dim=-1))
+            h = h_next
+        final = model.final_norm(h[packed.rows])
+        finals.append(final.float())
+        tops.append(model.lm_head(final).float().topk(topk, dim=-1).indices)
+        bar.update(len(packed.rows))
+    bar.close()
+    return Collected(
+        {lay: torch.cat(v) for lay, v in hidden.items()},
+        {lay: torch.cat(v) for lay, v in cosine.items()},
+        torch.cat(finals),
+        torch.cat(tops),
+    )
+
+
+def split_collected(c: Collected, first: int) -> tuple[Collected, Collected]:
+    """Rows [0, first) and [first, N) as two ``Collected``."""
+
+    def part(sl: slice) -> Collected:
+        return Collected(
+            {lay: v[sl] for lay, v in c.hidden.items()},
+            {lay: v[sl] for lay, v in c.cosine.items()},
+            c.final[sl],
+            c.top_idx[sl],
+        )
+
+    return part(slice(0, first)), part(slice(first, None))
+
+
+def load_groups(
+    model: str,
+    data: list[Path],
+    tokens: int,
+    heldout_tokens: int,
+    seed: int,
+    max_tokens: int,
+    cache: Path,
+) -> tuple[list[Group], list[Group]]:
+    """Tuning and held-out groups, generated once and cached as token ids under ``cache``."""
+    from eeserve import LLM
+
+    key = json.dumps([model, [str(p) for p in data], tokens, heldout_tokens, seed, max_tokens])
+    path = cache / f"groups-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if path.exists():
+        raw = json.loads(path.read_text())
+        return groups_from_lists(raw["train"]), groups_from_lists(raw["heldout"])
+    llm = LLM(model, exit_policy="none", max_num_seqs=128, kv_cache_memory=2 * 2**30)
+    if data:
+        train = text_groups(data, llm.tokenizer)
+    else:
+        train = self_generated(llm, tokens, "tune", seed, max_tokens)
+    heldout = self_generated(llm, heldout_tokens, "heldout", seed, max_tokens)
+    del llm
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    tmp.write_text(
+        json.dumps({"train": groups_to_lists(train), "heldout": groups_to_lists(heldout)})
+    )
+    tmp.rename(path)
+    return train, heldout

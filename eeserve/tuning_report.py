@@ -1,0 +1,260 @@
+"""Held-out evaluation of tuned exit heads and the ``tune-exits`` report.
+
+Contract: ``evaluate`` measures, on held-out generated tokens (teacher-forced: every token's
+context is the full-depth one), per exit layer the argmax agreement with the final layer of the
+shared head (final norm + LM head) and of the tuned head, the full-vocabulary KL of each, the
+classifier's calibration (ECE), and for each measure a threshold sweep: per layer, the fraction
+of tokens that would exit there and the agreement among them; over all exit layers at once
+(a token leaves at the first exit whose confidence reaches the threshold, as the engine's
+``per_sequence`` policy does), the cumulative exit fraction per layer, the agreement among exiting
+tokens, the overall agreement and the ideal speed-up of the cost model in ``bench_exits``. Per
+measure it picks the loosest threshold whose exiting tokens agree with full depth at the target;
+the default measure is the one with the best ideal speed-up there. ``write_report`` writes
+``tune_report.json`` and ``tune_report.md`` and returns the markdown.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from eeserve.exits import MEASURES
+from eeserve.models.exit_heads import ExitHeads
+from eeserve.models.llama import LlamaForCausalLM
+from eeserve.tuning_data import Collected
+
+SWEEP = {
+    "softmax_margin": [0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99],
+    "max_prob": [0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99],
+    "classifier": [0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99],
+    "hidden_cosine": [0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99],
+}
+MIN_SPEEDUP = 1.1  # below this, exits are not worth enabling by default
+
+
+@torch.no_grad()
+def _layer_eval(
+    model: LlamaForCausalLM, heads: ExitHeads, data: Collected, layer: int, teacher: torch.Tensor
+) -> tuple[dict[str, Any], torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-layer numbers, the tuned head's agreement [N] and each measure's confidence [N]."""
+    lm_w = model.lm_head.weight
+    x, target = data.hidden[layer], data.target
+    shared: list[torch.Tensor] = []
+    tuned: list[torch.Tensor] = []
+    conf: dict[str, list[torch.Tensor]] = {"softmax_margin": [], "max_prob": []}
+    kl_shared = kl_tuned = 0.0
+    for xs, ts in zip(x.split(1024), teacher.split(1024)):
+        ls = F.log_softmax(model.final_norm(xs) @ lm_w.T, -1)
+        lt = F.log_softmax(heads.normed(layer, xs) @ lm_w.T, -1)
+        kl_shared += float(F.kl_div(ls, ts, log_target=True, reduction="sum"))
+        kl_tuned += float(F.kl_div(lt, ts, log_target=True, reduction="sum"))
+        shared.append(ls.argmax(-1))
+        tuned.append(lt.argmax(-1))
+        top = lt.exp().topk(2, dim=-1).values
+        conf["softmax_margin"].append(top[:, 0] - top[:, 1])
+        conf["max_prob"].append(top[:, 0])
+    agree = torch.cat(tuned) == target
+    measures = {m: torch.cat(v) for m, v in conf.items()}
+    measures["hidden_cosine"] = data.cosine[layer]
+    measures["classifier"] = torch.sigmoid(heads.probe(layer, x))
+    n = max(1, x.shape[0])
+    row: dict[str, Any] = {
+        "layer": layer,
+        "agreement_shared": float((torch.cat(shared) == target).float().mean()),
+        "agreement_tuned": float(agree.float().mean()),
+        "kl_shared": kl_shared / n,
+        "kl_tuned": kl_tuned / n,
+        "classifier_ece": ece(measures["classifier"], agree),
+    }
+    return row, agree, measures
+
+
+def ece(prob: torch.Tensor, outcome: torch.Tensor, bins: int = 10) -> float:
+    """Expected calibration error of ``prob`` for the boolean ``outcome``."""
+    which = (prob * bins).long().clamp(0, bins - 1)
+    total = 0.0
+    for b in range(bins):
+        sel = which == b
+        if sel.any():
+            total += float(sel.sum()) * abs(
+                float(prob[sel].mean()) - float(outcome[sel].float().mean())
+            )
+    return total / max(1, prob.numel())
+
+
+def cascade(
+    conf: torch.Tensor, agree: torch.Tensor, layers: list[int], threshold: float, cost: Any, L: int
+) -> dict[str, Any]:
+    """Exit at the first exit layer whose confidence reaches ``threshold``; conf/agree [N, E]."""
+    passed = conf >= threshold
+    exits = passed.any(1)
+    first = passed.float().argmax(1)  # index of the first passing exit (0 when none passes)
+    ok = agree.gather(1, first[:, None]).squeeze(1) & exits
+    n = max(1, conf.shape[0])
+    depth = torch.tensor([*layers, L], dtype=torch.float32)[torch.where(exits, first, len(layers))]
+    return {
+        "threshold": threshold,
+        "exit_fraction": float(exits.float().mean()),
+        "exit_cdf": {
+            str(lay): float((exits & (first <= e)).float().sum()) / n
+            for e, lay in enumerate(layers)
+        },
+        "agreement_exiting": float(ok.sum()) / max(1, int(exits.sum())),
+        "token_agreement": float((ok | ~exits).float().mean()),
+        "mean_exit_layer": float(depth.mean()),
+        "ideal_speedup": cost(exits, first),
+    }
+
+
+def _cost_fn(
+    model: LlamaForCausalLM, heads: ExitHeads, layers: list[int], logit_measure: bool
+) -> Any:
+    """Ideal full-depth / early-exit cost per token (``bench_exits.CostModel``; fill strategy)."""
+    from eeserve.bench_exits import CostModel
+
+    adapter = sum(
+        p.numel() for n, p in heads.head(layers[0]).named_parameters() if "classifier" not in n
+    )
+    cm = CostModel.of(model.config, adapter)
+    L = model.config.num_layers
+    probe = float(model.config.hidden_size)
+
+    def cost(exits: torch.Tensor, first: torch.Tensor) -> float:
+        full = L * cm.layer + cm.head
+        lay = torch.tensor(layers, dtype=torch.float32)
+        n_checks = torch.where(exits, first + 1, len(layers)).float()
+        check = cm.head + cm.adapter if logit_measure else probe
+        out_head = torch.where(exits, 0.0 if logit_measure else cm.head + cm.adapter, cm.head)
+        depth = torch.where(exits, lay[first], float(L))
+        early = depth * cm.layer + n_checks * check + out_head + (L - depth) * cm.kv_fill
+        return float(full / early.mean())
+
+    return cost
+
+
+def evaluate(
+    model: LlamaForCausalLM, heads: ExitHeads, data: Collected, target: float
+) -> dict[str, Any]:
+    layers = heads.config.exit_layers
+    L = model.config.num_layers
+    with torch.no_grad():
+        teacher = F.log_softmax(data.final @ model.lm_head.weight.T, -1)
+    rows, agrees, confs = [], [], []
+    for layer in layers:
+        row, agree, conf = _layer_eval(model, heads, data, layer, teacher)
+        row["sweep"] = {
+            m: [
+                {
+                    "threshold": t,
+                    "exit_fraction": float((conf[m] >= t).float().mean()),
+                    "agreement": float(agree[conf[m] >= t].float().mean())
+                    if (conf[m] >= t).any()
+                    else None,
+                }
+                for t in SWEEP[m]
+            ]
+            for m in MEASURES
+        }
+        rows.append(row)
+        agrees.append(agree)
+        confs.append(conf)
+    agree_m = torch.stack(agrees, 1)
+    sweeps, chosen = {}, {}
+    for m in MEASURES:
+        conf_m = torch.stack([c[m] for c in confs], 1)
+        cost = _cost_fn(model, heads, layers, m in ("softmax_margin", "max_prob"))
+        sweeps[m] = [cascade(conf_m, agree_m, layers, t, cost, L) for t in SWEEP[m]]
+        grid = sorted(set(torch.quantile(conf_m.flatten(), torch.linspace(0, 1, 401)).tolist()))
+        for t in grid:  # the loosest threshold that meets the target
+            res = cascade(conf_m, agree_m, layers, round(t, 4), cost, L)
+            if res["agreement_exiting"] >= target and res["exit_fraction"] > 0:
+                chosen[m] = res
+                break
+        else:
+            chosen[m] = cascade(conf_m, agree_m, layers, 1.01, cost, L)
+    useful = [m for m in MEASURES if chosen[m]["exit_fraction"] > 0]
+    best = max(useful, key=lambda m: chosen[m]["ideal_speedup"], default="softmax_margin")
+    good = chosen[best]["ideal_speedup"] >= MIN_SPEEDUP
+    return {
+        "exit_layers": layers,
+        "num_layers": L,
+        "target_agreement": target,
+        "layers": rows,
+        "cascade": sweeps,
+        "chosen": chosen,
+        "default_measure": best,
+        "enabled_by_default": good,
+    }
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def markdown(r: dict[str, Any]) -> str:
+    layers = r["exit_layers"]
+    out = [
+        f"# Exit-head tuning report: {r.get('model', '?')}",
+        "",
+        "Tokens: "
+        + ", ".join(f"{k} {v}" for k, v in r.get("tokens", {}).items())
+        + f"; adapter `{r.get('options', {}).get('adapter')}`; "
+        f"{r.get('seconds', {}).get('total', 0):.0f} s. A threshold of 1.01 means never exit.",
+        "",
+        "Argmax agreement with the final layer on held-out generated tokens (teacher-forced):",
+        "",
+        "| layer | shared head | tuned head | KL shared | KL tuned | classifier ECE |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in r["layers"]:
+        out.append(
+            f"| {row['layer']} | {row['agreement_shared']:.3f} | {row['agreement_tuned']:.3f} "
+            f"| {row['kl_shared']:.2f} | {row['kl_tuned']:.2f} | {row['classifier_ece']:.3f} |"
+        )
+    head = " | ".join(f"exit <= {lay}" for lay in layers)
+    out += [
+        "",
+        f"Thresholds chosen for agreement >= {r['target_agreement']} among exiting tokens "
+        f"(default measure `{r['default_measure']}`, enabled by default: "
+        f"{r['enabled_by_default']}):",
+        "",
+        f"| measure | threshold | {head} | agree (exiting) | agree (all) | mean exit "
+        "| ideal speed-up |",
+        "|---|---:|" + "---:|" * (len(layers) + 4),
+    ]
+    for m, c in r["chosen"].items():
+        cdf = " | ".join(f"{c['exit_cdf'][str(lay)]:.2f}" for lay in layers)
+        out.append(
+            f"| {m} | {c['threshold']:.4g} | {cdf} | {c['agreement_exiting']:.3f} "
+            f"| {c['token_agreement']:.3f} | {c['mean_exit_layer']:.1f} "
+            f"| {c['ideal_speedup']:.2f} |"
+        )
+    for m, rows in r["cascade"].items():
+        out += [
+            "",
+            f"Sweep `{m}` (per layer: exit fraction / agreement among exiting; "
+            "all exits: cascade):",
+            "",
+            "| threshold | " + " | ".join(f"layer {lay}" for lay in layers) + " | cascade |",
+            "|---:|" + "---|" * (len(layers) + 1),
+        ]
+        for i, c in enumerate(rows):
+            cells = [
+                f"{s['exit_fraction']:.2f} / {_pct(s['agreement'])}"
+                for s in (row["sweep"][m][i] for row in r["layers"])
+            ]
+            cells.append(f"{c['exit_fraction']:.2f} / {c['agreement_exiting']:.2f}")
+            out.append(f"| {c['threshold']:g} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def write_report(folder: Path, report: dict[str, Any]) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tune_report.json").write_text(json.dumps(report, indent=2))
+    md = markdown(report)
+    (folder / "tune_report.md").write_text(md)
+    return md
