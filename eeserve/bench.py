@@ -34,6 +34,7 @@ class Run:
     outputs: list[list[int]] = field(default_factory=list, repr=False)
     mean_exit_layer: float = 0.0
     decode_tokens_per_s: float = 0.0  # tokens after each request's first / decode wall time
+    exit_layers: list[list[int]] = field(default_factory=list, repr=False)  # per request, token
 
 
 def run_engine(
@@ -66,33 +67,68 @@ def run_engine(
         outputs=[o.outputs[0].token_ids for o in outs],
         mean_exit_layer=statistics.mean(layers) if layers else 0.0,
         decode_tokens_per_s=len(prompts) * (max_tokens - 1) / max(end - decode_start, 1e-9),
+        exit_layers=[list(o.outputs[0].exit_layers) for o in outs],
     )
 
 
-def run_hf(model: Any, prompts: list[list[int]], max_tokens: int, pad_id: int) -> Run:
-    ids = torch.tensor(prompts)
+class _FirstTokenClock:
+    """A ``generate`` streamer that notes when the first new token arrives (its 2nd ``put``)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf(
+    model: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    pad_id: int,
+    device: torch.device | str = "cpu",
+) -> Run:
+    """HF ``generate``, greedy, exactly ``max_tokens`` each; prompts of unequal length are
+    left-padded (with an attention mask), as HF expects for decoder-only batches."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    clock = _FirstTokenClock()
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
             ids,
-            attention_mask=torch.ones_like(ids),
+            attention_mask=mask,
             max_new_tokens=max_tokens,
             min_new_tokens=max_tokens,
             do_sample=False,
             pad_token_id=pad_id,
+            streamer=clock,
         )
-    elapsed = time.perf_counter() - start
+    end = time.perf_counter()
+    elapsed = end - start
+    decode_s = end - (clock.first or start)
     return Run(
         tokens_per_s=len(prompts) * max_tokens / elapsed,
         mean_itl_ms=1000 * elapsed / max_tokens,
         outputs=out[:, ids.shape[1] :].tolist(),
+        decode_tokens_per_s=len(prompts) * (max_tokens - 1) / max(decode_s, 1e-9),
     )
 
 
+def median_of(runs: list[Run], key: str = "tokens_per_s") -> Run:
+    """The median run by ``key`` (the upper one of an even count)."""
+    return sorted(runs, key=lambda r: float(getattr(r, key)))[len(runs) // 2]
+
+
 def median_run(fn: Any, repeats: int) -> Run:
-    runs = [fn() for _ in range(repeats)]
-    runs.sort(key=lambda r: r.tokens_per_s)
-    return runs[len(runs) // 2]
+    return median_of([fn() for _ in range(repeats)])
 
 
 def machine_description() -> dict[str, Any]:
@@ -181,7 +217,10 @@ def add_bench_parser(sub: Any) -> None:
     )
     p.add_argument("--exit-dtype", default="float32")
     p.set_defaults(func=main)
-    sub_bench = p.add_subparsers(dest="bench_command", metavar="{serve}")
+    sub_bench = p.add_subparsers(dest="bench_command", metavar="{report,serve}")
+    from eeserve.bench_report import add_report_parser
+
+    add_report_parser(sub_bench)
     try:
         from eeserve.server.bench_serve import add_bench_serve_parser
     except ImportError:  # server dependencies missing: the offline benchmark still works

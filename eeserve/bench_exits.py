@@ -55,7 +55,8 @@ class CostModel:
         return full / early
 
 
-def _quality(ref: Run, run: Run, tokenizer: Any) -> tuple[float, float]:
+def quality_vs(ref: Run, run: Run, tokenizer: Any) -> tuple[float, float]:
+    """Mean token agreement and mean ROUGE-L (on decoded text) of ``run`` against ``ref``."""
     agree = statistics.mean(token_agreement(a, b) for a, b in zip(run.outputs, ref.outputs))
     rouge = statistics.mean(
         rouge_l(tokenizer.decode(a), tokenizer.decode(b)) for a, b in zip(run.outputs, ref.outputs)
@@ -112,7 +113,7 @@ def _sweep(
     )
     for label, params in settings:
         r = median_run(partial(run, params), args.repeats)
-        agree, rouge = _quality(full, r, engine.tokenizer)
+        agree, rouge = quality_vs(full, r, engine.tokenizer)
         ratio = r.decode_tokens_per_s / full.decode_tokens_per_s
         row = {
             "policy": policy,

@@ -1,0 +1,233 @@
+"""``eeserve bench report``: one reproducible benchmark report of early exit (issue 7).
+
+Contract: in one process and one run, on the same prompts (``prompt_texts(n, seed, "bench")``,
+in the chat template when the tokenizer has one), all greedy with EOS ignored so that every
+request makes exactly ``max_tokens``:
+
+1. paper: decode tokens/s and mean inter-token latency of early exit at one operating point
+   (measure, threshold) against the same engine at full depth, per batch size, exit policy
+   (``batch_all``, ``per_sequence``) and KV-debt strategy (``fill``, ``recompute``), each with its
+   quality (token agreement, ROUGE-L) against the full-depth text;
+2. frontier: per confidence measure, a sweep of thresholds plus the model's default and
+   calibrated ones, at one batch size with the first policy and strategy: speed ratio against
+   full depth next to token agreement and ROUGE-L;
+3. baseline: HF transformers ``generate`` (``bench.run_hf``) on the same weights, dtype, prompts;
+4. telemetry of every early-exit run: histogram of exit layers over all generated tokens (the
+   first token of a request comes from the prefill, at full depth) and mean layers per token.
+
+Repeats are interleaved (full depth, each early-exit setting and HF one after the other, per
+repeat) and each figure is the median run by decode tokens/s; a ratio divides two medians of
+the same run. Absolute figures mean something only within one report. ``write`` puts
+``report.json``, ``report.md`` and the PNG plots (``bench_plots``) into the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class _Defaults:
+    batch_sizes: str
+    max_tokens: int
+    repeats: int
+    frontier_batch: int
+    thresholds: str  # softmax and classifier measures
+    cosine_thresholds: str  # hidden_cosine
+
+
+_FULL = _Defaults("1,8,32", 128, 3, 8, "0.5,0.8,0.9,0.95", "0.95,0.98,0.99,0.995")
+_QUICK = _Defaults("1,8", 32, 1, 8, "0.5,0.9", "0.95,0.99")
+
+
+@dataclass
+class ReportConfig:
+    model: str = "smollm2"
+    out: str = "bench/results/report"
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32])
+    max_tokens: int = 128
+    repeats: int = 3
+    seed: int = 0
+    dtype: str = "auto"
+    policies: list[str] = field(default_factory=lambda: ["per_sequence", "batch_all"])
+    kv_fills: list[str] = field(default_factory=lambda: ["fill", "recompute"])
+    measure: str | None = None  # operating point; default: the exit config's
+    threshold: float | None = None
+    measures: list[str] | None = None  # frontier; default: all the model supports
+    thresholds: list[float] = field(default_factory=lambda: [0.5, 0.8, 0.9, 0.95])
+    cosine_thresholds: list[float] = field(default_factory=lambda: [0.95, 0.98, 0.99, 0.995])
+    frontier_batch: int = 8
+    hf: bool = True
+    chat: bool = True
+    threads: int | None = None
+    quick: bool = False
+    note: str = ""
+    command: str = ""
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def config_from_args(args: argparse.Namespace) -> ReportConfig:
+    """Options left unset take the ``--quick`` or the full defaults."""
+    base = _QUICK if args.quick else _FULL
+    batch_sizes = args.batch_sizes or base.batch_sizes
+    if args.batch_sizes is None and not args.quick and torch.cuda.is_available():
+        batch_sizes += ",64"
+    return ReportConfig(
+        model=args.model,
+        out=args.out or ("bench/results/quick" if args.quick else "bench/results/report"),
+        batch_sizes=[int(b) for b in str(batch_sizes).split(",")],
+        max_tokens=args.max_tokens or base.max_tokens,
+        repeats=args.repeats or base.repeats,
+        seed=args.seed,
+        dtype=args.dtype,
+        policies=args.policies.split(","),
+        kv_fills=args.kv_fills.split(","),
+        measure=args.measure,
+        threshold=args.threshold,
+        measures=args.measures.split(",") if args.measures else None,
+        thresholds=_floats(args.thresholds or base.thresholds),
+        cosine_thresholds=_floats(args.cosine_thresholds or base.cosine_thresholds),
+        frontier_batch=args.frontier_batch or base.frontier_batch,
+        hf=not args.no_hf,
+        chat=args.prompt_format == "chat",
+        threads=args.threads,
+        quick=args.quick,
+        note=args.note,
+        command=_command_line(),
+    )
+
+
+def _command_line() -> str:
+    """The command line as invoked (``sys.argv``)."""
+    if Path(sys.argv[0]).name == "eeserve" or sys.argv[0].endswith("eeserve/cli.py"):
+        return shlex.join(["eeserve", *sys.argv[1:]])
+    return shlex.join(sys.argv)
+
+
+def canonical_command(cfg: ReportConfig) -> str:
+    """An ``eeserve bench report`` command with every option explicit: reruns the same plan."""
+    args = [
+        "eeserve",
+        "bench",
+        "report",
+        "--model",
+        cfg.model,
+        "--out",
+        cfg.out,
+        "--batch-sizes",
+        ",".join(map(str, cfg.batch_sizes)),
+        "--max-tokens",
+        str(cfg.max_tokens),
+        "--repeats",
+        str(cfg.repeats),
+        "--seed",
+        str(cfg.seed),
+        "--dtype",
+        cfg.dtype,
+        "--policies",
+        ",".join(cfg.policies),
+        "--kv-fills",
+        ",".join(cfg.kv_fills),
+        "--thresholds",
+        ",".join(f"{t:g}" for t in cfg.thresholds),
+        "--cosine-thresholds",
+        ",".join(f"{t:g}" for t in cfg.cosine_thresholds),
+        "--frontier-batch",
+        str(cfg.frontier_batch),
+        "--prompt-format",
+        "chat" if cfg.chat else "raw",
+    ]
+    for flag, value in (
+        ("--measure", cfg.measure),
+        ("--threshold", cfg.threshold),
+        ("--measures", ",".join(cfg.measures) if cfg.measures else None),
+        ("--threads", cfg.threads),
+    ):
+        if value is not None:
+            args += [flag, str(value)]
+    return shlex.join(args + ([] if cfg.hf else ["--no-hf"]))
+
+
+def run_report(cfg: ReportConfig) -> dict[str, Any]:
+    """Measure everything (progress on stderr) and return the raw figures."""
+    from eeserve.bench_report_run import ReportRun
+
+    t0 = time.perf_counter()
+    run = ReportRun(cfg)
+    run.warm_up()
+    t1 = time.perf_counter()
+    with tqdm(total=run.total_runs(), desc="bench report", unit="run", file=sys.stderr) as bar:
+        results: dict[str, Any] = run.paper(bar)
+        t2 = time.perf_counter()
+        results["frontier"] = run.frontier(bar)
+    t3 = time.perf_counter()
+    results["meta"] = run.meta() | {
+        "canonical_command": canonical_command(cfg),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(time.time() - (t3 - t0))),
+        "wall_s": {"setup": t1 - t0, "paper": t2 - t1, "frontier": t3 - t2, "total": t3 - t0},
+    }
+    return results
+
+
+def write(results: dict[str, Any], out: Path) -> list[Path]:
+    """report.json, report.md and the plots into ``out``; returns the paths written."""
+    from eeserve.bench_plots import plot_all
+    from eeserve.bench_report_md import render
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "report.json", out / "report.md"]
+    paths[0].write_text(json.dumps(results, indent=2, default=str))
+    plots = plot_all(results, out)
+    paths[1].write_text(render(results, [p.name for p in plots]))
+    return paths + plots
+
+
+def main_report(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    results = run_report(cfg)
+    for path in write(results, Path(cfg.out)):
+        print(f"wrote {path}")
+    return 0
+
+
+def add_report_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "report",
+        help="reproducible early-exit report: JSON, markdown, PNG plots",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--out", default=None, help="folder (default bench/results/report or /quick)")
+    p.add_argument("--quick", action="store_true", help="small run: batch 1,8, 32 tokens, 1 repeat")
+    p.add_argument("--batch-sizes", default=None, help="default 1,8,32 (and 64 on CUDA)")
+    p.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (128)")
+    p.add_argument("--repeats", type=int, default=None, help="median over this many (3)")
+    p.add_argument("--seed", type=int, default=0, help="prompt selection")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--policies", default="per_sequence,batch_all")
+    p.add_argument("--kv-fills", default="fill,recompute")
+    p.add_argument("--measure", default=None, help="operating point (default: exit config)")
+    p.add_argument("--threshold", type=float, default=None, help="operating point threshold")
+    p.add_argument("--measures", default=None, help="frontier measures (default: all available)")
+    p.add_argument("--thresholds", default=None, help="sweep of softmax/classifier measures")
+    p.add_argument("--cosine-thresholds", default=None, help="sweep of hidden_cosine")
+    p.add_argument("--frontier-batch", type=int, default=None, help="batch of the frontier (8)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--prompt-format", choices=["chat", "raw"], default="chat")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--note", default="", help="a line for the report (e.g. machine conditions)")
+    p.set_defaults(func=main_report)

@@ -1,0 +1,357 @@
+"""The measuring half of ``eeserve bench report`` (see ``bench_report`` for the contract).
+
+Contract: ``ReportRun(cfg)`` loads one engine per exit policy and KV-debt strategy (prefix caching
+off, a KV pool sized for the largest batch), the HF model and the prompts; ``paper`` and
+``frontier`` return rows of raw figures. Every early-exit row carries its speed next to full
+depth measured in the same interleaved repeats, its quality against the full-depth text and its
+exit telemetry. Batch sizes whose engines would not fit in 80% of free memory are skipped (and
+listed), never the smallest.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from eeserve.bench import Run, machine_description, median_of, run_engine, run_hf
+from eeserve.bench_exits import quality_vs
+from eeserve.config import EngineConfig
+from eeserve.engine import LLMEngine
+from eeserve.exits import ExitConfig, ExitParams
+
+if TYPE_CHECKING:
+    from eeserve.bench_report import ReportConfig
+
+PROB_MEASURES = ("softmax_margin", "max_prob", "classifier")
+
+# -- preparing the run ---------------------------------------------------------------------
+
+
+def build_prompts(tokenizer: Any, n: int, seed: int, chat: bool) -> list[list[int]]:
+    from eeserve.llm import chat_token_ids
+    from eeserve.prompts import prompt_texts
+
+    texts = prompt_texts(n, seed=seed, split="bench")
+    if chat and getattr(tokenizer, "chat_template", None):
+        return [chat_token_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    return [list(tokenizer(t).input_ids) for t in texts]
+
+
+def _kv_bytes(engine_cfg: Any, prompts: list[list[int]], max_tokens: int, itemsize: int) -> int:
+    """KV pool bytes for all ``prompts`` at once, whole blocks, with 10% to spare."""
+    per_token = 2 * engine_cfg.num_layers * engine_cfg.num_kv_heads * engine_cfg.head_dim * itemsize
+    tokens = sum(-(-(len(p) + max_tokens) // 16) * 16 for p in prompts)
+    return int(1.1 * tokens * per_token) + 16 * per_token
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def fit_batch_sizes(
+    cfg: ReportConfig, folder: Path, prompts: list[list[int]], device: torch.device, itemsize: int
+) -> tuple[list[int], list[int]]:
+    """(batch sizes whose engines + HF model fit in 80% of free memory, those that do not)."""
+    from eeserve.loader import read_config
+
+    mcfg = read_config(folder)
+    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors")) * itemsize // 4
+    engines = len(cfg.policies) * len(cfg.kv_fills)
+    free = 0.8 * _available_memory(device)
+    fit: list[int] = []
+    skipped: list[int] = []
+    for b in sorted(cfg.batch_sizes):
+        need = engines * (2 * weights + _kv_bytes(mcfg, prompts[:b], cfg.max_tokens, itemsize))
+        (fit if need + weights * cfg.hf <= free or not fit else skipped).append(b)
+    return fit, skipped
+
+
+# -- measuring -----------------------------------------------------------------------------
+
+Job = tuple[str, Callable[[], Run]]
+
+
+def run_interleaved(jobs: list[Job], repeats: int, bar: Any, what: str) -> dict[str, Run]:
+    """Each job ``repeats`` times, the jobs one after the other per repeat; median runs."""
+    runs: dict[str, list[Run]] = {key: [] for key, _ in jobs}
+    for _ in range(repeats):
+        for key, fn in jobs:
+            bar.set_postfix_str(f"{what}: {key}", refresh=True)
+            runs[key].append(fn())
+            bar.update(1)
+    return {k: median_of(v, "decode_tokens_per_s") for k, v in runs.items()}
+
+
+def telemetry(run: Run, num_layers: int) -> dict[str, Any]:
+    layers = [x for per_request in run.exit_layers for x in per_request]
+    decode = [x for per_request in run.exit_layers for x in per_request[1:]]
+    hist = Counter(layers)
+    mean = statistics.mean(layers) if layers else float(num_layers)
+    return {
+        "histogram": {str(k): hist[k] for k in sorted(hist)},
+        "tokens": len(layers),
+        "mean_layers_per_token": mean,
+        "mean_exit_layer_decode": statistics.mean(decode) if decode else float(num_layers),
+        "layers_saved_fraction": 1 - mean / num_layers,
+    }
+
+
+def _speed(run: Run, full: Run) -> dict[str, float]:
+    return {
+        "decode_tok_s": run.decode_tokens_per_s,
+        "full_decode_tok_s": full.decode_tokens_per_s,
+        "ratio": run.decode_tokens_per_s / full.decode_tokens_per_s,
+        "itl_ms": run.mean_itl_ms,
+        "full_itl_ms": full.mean_itl_ms,
+    }
+
+
+def _ee_row(run: Run, full: Run, tokenizer: Any, num_layers: int, **keys: Any) -> dict[str, Any]:
+    agree, rouge = quality_vs(full, run, tokenizer)
+    return {
+        **keys,
+        **_speed(run, full),
+        "token_agreement": agree,
+        "rouge_l": rouge,
+        "telemetry": telemetry(run, num_layers),
+    }
+
+
+def operating_point(cfg: ReportConfig, xc: ExitConfig) -> tuple[str, float, str]:
+    """(measure, threshold, where the threshold came from) of the paper comparison."""
+    measure = cfg.measure or xc.default_measure
+    if cfg.threshold is not None:
+        return measure, cfg.threshold, "--threshold"
+    default = xc.thresholds.get(measure)
+    if isinstance(default, (int, float)):
+        return measure, float(default), "exit config default"
+    cal = [c for c in xc.calibration if c.get("measure") == measure]
+    if cal:
+        return measure, float(cal[0]["threshold"]), "calibrated"  # type: ignore[arg-type]
+    return measure, 0.99 if measure == "hidden_cosine" else 0.9, "report default"
+
+
+def frontier_settings(cfg: ReportConfig, xc: ExitConfig) -> list[tuple[str, float, str]]:
+    """(measure, threshold, source) for every frontier point, sorted by measure and threshold."""
+    measures = cfg.measures or ["softmax_margin", "max_prob", "hidden_cosine"] + (
+        ["classifier"] if xc.classifier else []
+    )
+    points: dict[tuple[str, float], str] = {}
+    for m in measures:
+        for t in cfg.thresholds if m in PROB_MEASURES else cfg.cosine_thresholds:
+            points[(m, t)] = "sweep"
+        default = xc.thresholds.get(m)
+        if isinstance(default, (int, float)):
+            points[(m, float(default))] = "default"
+        for c in xc.calibration:
+            if c.get("measure") == m:
+                points[(m, float(c["threshold"]))] = f"calibrated δ={c.get('delta')}"  # type: ignore[arg-type]
+    return [(m, t, s) for (m, t), s in sorted(points.items())]
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+class ReportRun:
+    """Engines (one per policy and KV-debt strategy), the HF model and the prompts of one run."""
+
+    def __init__(self, cfg: ReportConfig) -> None:
+        from transformers import AutoTokenizer
+
+        from eeserve.loader import read_config, resolve_model
+
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.folder = resolve_model(cfg.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
+        n = max([*cfg.batch_sizes, cfg.frontier_batch])
+        self.prompts = build_prompts(self.tokenizer, n, cfg.seed, cfg.chat)
+        probe = EngineConfig(model=cfg.model, dtype=cfg.dtype)
+        self.device, self.dtype = probe.resolved_device(), probe.resolved_dtype()
+        size = self.dtype.itemsize
+        self.batch_sizes, self.skipped = fit_batch_sizes(
+            cfg, self.folder, self.prompts, self.device, size
+        )
+        self.frontier_batch = min(cfg.frontier_batch, max(self.batch_sizes))
+        n = max(self.batch_sizes)
+        kv = _kv_bytes(read_config(self.folder), self.prompts[:n], cfg.max_tokens, size)
+        self.engines = {
+            (p, f): LLMEngine(
+                EngineConfig(
+                    model=cfg.model,
+                    dtype=cfg.dtype,
+                    exit_policy=p,
+                    kv_fill=f,
+                    enable_prefix_caching=False,
+                    max_num_seqs=n,
+                    kv_cache_memory=kv,
+                )
+            )
+            for p in cfg.policies
+            for f in cfg.kv_fills
+        }
+        self.first = next(iter(self.engines.values()))
+        self.exit_config = self.first.exit_config
+        self.num_layers = self.first.model_config.num_layers
+        self.op = operating_point(cfg, self.exit_config)
+        self.settings = frontier_settings(cfg, self.exit_config)
+        self.hf = self._load_hf() if cfg.hf else None
+        self.pad = int(self.tokenizer.pad_token_id or 0)
+
+    def _load_hf(self) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        hf: Any = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype)
+        return hf.to(self.device).eval()
+
+    def _engine_job(self, engine: LLMEngine, b: int, params: ExitParams) -> Callable[[], Run]:
+        return partial(run_engine, engine, self.prompts[:b], self.cfg.max_tokens, params)
+
+    def _hf_job(self, b: int) -> Callable[[], Run]:
+        return partial(
+            run_hf, self.hf, self.prompts[:b], self.cfg.max_tokens, self.pad, self.device
+        )
+
+    def total_runs(self) -> int:
+        per_batch = 1 + len(self.engines) + (self.hf is not None)
+        return self.cfg.repeats * (len(self.batch_sizes) * per_batch + 1 + len(self.settings))
+
+    def warm_up(self) -> None:
+        measure, threshold, _ = self.op
+        for engine in self.engines.values():
+            run_engine(engine, self.prompts[:2], 4, ExitParams(enabled=False))
+            run_engine(
+                engine, self.prompts[:2], 4, ExitParams(threshold=threshold, measure=measure)
+            )
+        if self.hf is not None:
+            run_hf(self.hf, self.prompts[:2], 4, self.pad, self.device)
+
+    def paper(self, bar: Any) -> dict[str, list[dict[str, Any]]]:
+        """Sections 1 and 3: early exit vs full depth (and HF) per batch size."""
+        measure, threshold, _ = self.op
+        params = ExitParams(threshold=threshold, measure=measure)
+        out: dict[str, list[dict[str, Any]]] = {"paper": [], "full_depth": [], "hf": []}
+        for b in self.batch_sizes:
+            jobs: list[Job] = [("full", self._engine_job(self.first, b, ExitParams(enabled=False)))]
+            jobs += [
+                (f"{p}/{f}", self._engine_job(e, b, params)) for (p, f), e in self.engines.items()
+            ]
+            if self.hf is not None:
+                jobs.append(("hf", self._hf_job(b)))
+            med = run_interleaved(jobs, self.cfg.repeats, bar, f"batch {b}")
+            full = med["full"]
+            out["full_depth"].append(
+                {
+                    "batch": b,
+                    "decode_tok_s": full.decode_tokens_per_s,
+                    "tok_s": full.tokens_per_s,
+                    "itl_ms": full.mean_itl_ms,
+                }
+            )
+            for p, f in self.engines:
+                out["paper"].append(
+                    _ee_row(
+                        med[f"{p}/{f}"],
+                        full,
+                        self.tokenizer,
+                        self.num_layers,
+                        batch=b,
+                        policy=p,
+                        kv_fill=f,
+                        measure=measure,
+                        threshold=threshold,
+                    )
+                )
+            if self.hf is not None:
+                out["hf"].append(_hf_row(med["hf"], full, b))
+        return out
+
+    def frontier(self, bar: Any) -> list[dict[str, Any]]:
+        """Section 2: per measure and threshold, speed ratio next to quality."""
+        (policy, kv_fill), engine = next(iter(self.engines.items()))
+        b = self.frontier_batch
+        jobs: list[Job] = [("full", self._engine_job(engine, b, ExitParams(enabled=False)))]
+        for m, t, _ in self.settings:
+            jobs.append(
+                (f"{m}@{t:g}", self._engine_job(engine, b, ExitParams(threshold=t, measure=m)))
+            )
+        med = run_interleaved(jobs, self.cfg.repeats, bar, f"frontier, batch {b}")
+        return [
+            _ee_row(
+                med[f"{m}@{t:g}"],
+                med["full"],
+                self.tokenizer,
+                self.num_layers,
+                batch=b,
+                policy=policy,
+                kv_fill=kv_fill,
+                measure=m,
+                threshold=t,
+                source=s,
+            )
+            for m, t, s in self.settings
+        ]
+
+    def meta(self) -> dict[str, Any]:
+        lengths = [len(p) for p in self.prompts]
+        measure, threshold, source = self.op
+        machine = machine_description() | {
+            "os_cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "device": str(self.device),
+        }
+        return {
+            "command": self.cfg.command,
+            "config": asdict(self.cfg),
+            "machine": machine,
+            "model": self.cfg.model,
+            "model_path": str(self.folder),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "num_layers": self.num_layers,
+            "exit_config": asdict(self.exit_config),
+            "prompts": {
+                "source": "eeserve.prompts.prompt_texts",
+                "split": "bench",
+                "seed": self.cfg.seed,
+                "count": len(self.prompts),
+                "format": "chat" if self.cfg.chat else "raw",
+                "tokens_min": min(lengths),
+                "tokens_median": statistics.median(lengths),
+                "tokens_max": max(lengths),
+            },
+            "max_tokens": self.cfg.max_tokens,
+            "repeats": self.cfg.repeats,
+            "batch_sizes": self.batch_sizes,
+            "skipped_batch_sizes": self.skipped,
+            "operating_point": {"measure": measure, "threshold": threshold, "source": source},
+            "frontier_batch": self.frontier_batch,
+        }
+
+
+def _hf_row(h: Run, full: Run, b: int) -> dict[str, Any]:
+    from eeserve.bench import token_agreement_mean
+
+    return {
+        "batch": b,
+        "decode_tok_s": h.decode_tokens_per_s,
+        "tok_s": h.tokens_per_s,
+        "itl_ms": 1000 * b / h.decode_tokens_per_s,  # every step makes one token per row
+        "engine_full_decode_tok_s": full.decode_tokens_per_s,
+        "engine_vs_hf": full.decode_tokens_per_s / h.decode_tokens_per_s,
+        "token_agreement_engine_vs_hf": token_agreement_mean(full.outputs, h.outputs),
+    }

@@ -1,0 +1,100 @@
+"""``eeserve bench report`` end to end on a tiny model: JSON, markdown and PNGs (no timings)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from eeserve.cli import main
+from tests.tiny_model import build_tiny_model
+
+MAX_TOKENS = 8
+BATCHES = [1, 2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("report")
+    # Long context: the bench prompts are several hundred tokens with the tiny tokenizer.
+    model = build_tiny_model(tmp / "model", weight_std=0.2, norm_noise=0.1, max_pos=2048)
+    out = tmp / "out"
+    argv = [
+        "bench", "report", "--model", str(model), "--out", str(out),
+        "--batch-sizes", ",".join(map(str, BATCHES)), "--max-tokens", str(MAX_TOKENS),
+        "--repeats", "1", "--threshold", "0.05", "--thresholds", "0.05",
+        "--cosine-thresholds", "0.9", "--frontier-batch", "2", "--note", "tiny test",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    return out, json.loads((out / "report.json").read_text())
+
+
+def _ee_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    return results["paper"] + results["frontier"]
+
+
+def test_json_covers_every_section(report: tuple[Path, dict[str, Any]]) -> None:
+    _, r = report
+    assert {"meta", "paper", "full_depth", "hf", "frontier"} <= set(r)
+    meta = r["meta"]
+    assert meta["batch_sizes"] == BATCHES and meta["max_tokens"] == MAX_TOKENS
+    assert meta["num_layers"] == 4 and meta["dtype"] == "float32"
+    assert meta["prompts"]["split"] == "bench" and meta["prompts"]["tokens_min"] > 0
+    assert "bench report" in meta["canonical_command"]
+    configs = {(x["policy"], x["kv_fill"]) for x in r["paper"]}
+    assert configs == {(p, f) for p in ("per_sequence", "batch_all") for f in ("fill", "recompute")}
+    assert sorted({x["batch"] for x in r["paper"]}) == BATCHES
+    assert [x["batch"] for x in r["full_depth"]] == BATCHES
+    assert [x["batch"] for x in r["hf"]] == BATCHES
+    assert {x["measure"] for x in r["frontier"]} == {"softmax_margin", "max_prob", "hidden_cosine"}
+
+
+def test_figures_are_sane(report: tuple[Path, dict[str, Any]]) -> None:
+    _, r = report
+    for row in _ee_rows(r):
+        for key in ("ratio", "decode_tok_s", "full_decode_tok_s", "itl_ms", "full_itl_ms"):
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+        assert 0 <= row["token_agreement"] <= 1 and 0 <= row["rouge_l"] <= 1
+    for row in r["hf"]:
+        assert row["decode_tok_s"] > 0 and row["engine_vs_hf"] > 0
+        # Full depth is HF's greedy output (left padding aside, which the tiny model tolerates).
+        assert 0 <= row["token_agreement_engine_vs_hf"] <= 1
+
+
+def test_telemetry_counts_every_generated_token(report: tuple[Path, dict[str, Any]]) -> None:
+    _, r = report
+    exited = False
+    for row in _ee_rows(r):
+        t = row["telemetry"]
+        assert t["tokens"] == row["batch"] * MAX_TOKENS
+        assert sum(t["histogram"].values()) == t["tokens"]
+        assert all(1 <= int(layer) <= 4 for layer in t["histogram"])
+        assert t["histogram"].get("4", 0) >= row["batch"]  # first tokens come from the prefill
+        mean = sum(int(k) * v for k, v in t["histogram"].items()) / t["tokens"]
+        assert t["mean_layers_per_token"] == pytest.approx(mean)
+        exited |= t["mean_layers_per_token"] < 4
+    assert exited  # threshold 0.05 makes some decode tokens leave early
+
+
+def test_markdown_has_tables_and_command(report: tuple[Path, dict[str, Any]]) -> None:
+    out, r = report
+    md = (out / "report.md").read_text()
+    assert r["meta"]["command"] in md and r["meta"]["canonical_command"] in md
+    for heading in ("## Setup", "## Headline", "## 1. Early exit vs full depth", "## 2. Frontier",
+                    "## 3. Baseline: HF transformers", "## 4. Exit telemetry"):  # fmt: skip
+        assert heading in md
+    assert "| batch | HF tok/s | full depth tok/s |" in md
+    assert "tiny test" in md and "float32" in md
+    for png in ("frontier.png", "throughput.png", "exit_layers.png"):
+        assert f"]({png})" in md
+
+
+def test_plots_are_png_files(report: tuple[Path, dict[str, Any]]) -> None:
+    out, _ = report
+    for name in ("frontier.png", "throughput.png", "exit_layers.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
