@@ -341,6 +341,10 @@ def main(args: argparse.Namespace) -> int:
     for name in ("delta", "epsilon"):
         if not 0 < getattr(args, name) < 1:
             raise ValueError(f"--{name} must be in (0, 1), got {getattr(args, name)}")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     engine = LLMEngine(engine_config(args))
     out = target_folder(args.model, args.out_config)  # fail before the long run, not after
     prompts = prompt_ids(engine, load_prompts(args, "calib", args.n), args.chat)
@@ -392,6 +396,7 @@ def add_calibrate_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--out-config", default=None, help="sidecar folder to write exit_config.json to")
     p.add_argument("--check-n", type=int, default=0, help="then check N held-out prompts")
     p.add_argument("--check-split", default="heldout", help="prompt split of the check")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--json", default=None, help="write the table and settings as JSON here")
     add_engine_args(p.add_argument_group("engine options"))
     p.set_defaults(func=main, kv_cache_memory=float(2 * 2**30), exit_policy="per_sequence")

@@ -19,7 +19,7 @@ Contract (pure functions, no torch):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 PValueFn = Callable[[float, int, float], float]
@@ -147,7 +147,7 @@ def check_candidate(
 
 
 def learn_then_test(
-    losses: dict[float, Sequence[float]],
+    losses: Mapping[float, Sequence[float]],
     delta: float,
     epsilon: float,
     pvalue: str | PValueFn = "hb",

@@ -27,6 +27,7 @@ from eeserve.calibration import (
 )
 from eeserve.cli import main as cli_main
 from eeserve.exits import ExitConfig, ExitParams, calibrated_threshold, resolve_exit_plan
+from eeserve.models.exit_heads import load_sidecar
 from eeserve.sampling_params import SamplingParams
 from tests.tiny_model import make_llm
 
@@ -218,67 +219,70 @@ def _prompt_file(path: Path, n: int) -> Path:
     return path
 
 
-def test_calibrate_command_writes_config_and_engine_uses_it(
-    tiny_varied_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    model = tmp_path / "model"
-    shutil.copytree(tiny_varied_dir, model)  # the session fixture stays without a sidecar
-    prompts = _prompt_file(tmp_path / "prompts.txt", 30)
-    delta = 0.2
-    argv = ["calibrate", str(model), "--prompts", str(prompts), "--n", "30"]
-    argv += ["--max-tokens", "6", "--delta", str(delta), "--epsilon", "0.1"]
-    argv += [
-        "--candidates",
-        "0.99",
-        "0.6",
-        "0.3",
-        "0.1",
-        "0.02",
-        "--json",
-        str(tmp_path / "r.json"),
-    ]
-    assert cli_main(argv) == 0
-    table = capsys.readouterr().out
-    assert "candidate" in table and "p-value" in table and "chosen threshold" in table
+DELTA = 0.3
 
-    cfg = json.loads((model / "exit_config.json").read_text())
+
+@pytest.fixture(scope="module")
+def calibrated(tiny_varied_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the tiny model (the session fixture stays without a sidecar), calibrated."""
+    tmp = tmp_path_factory.mktemp("calibrated")
+    model = tmp / "model"
+    shutil.copytree(tiny_varied_dir, model)
+    prompts = _prompt_file(tmp / "prompts.txt", 40)
+    argv = ["calibrate", str(model), "--prompts", str(prompts), "--n", "40", "--max-tokens", "6"]
+    argv += ["--delta", str(DELTA), "--epsilon", "0.2", "--json", str(tmp / "r.json")]
+    argv += ["--candidates", "0.99", "0.45", "0.3", "0.2", "0.1"]
+    assert cli_main(argv) == 0
+    return model
+
+
+def test_calibrate_command_writes_the_config(calibrated: Path) -> None:
+    cfg = json.loads((calibrated / "exit_config.json").read_text())
     (entry,) = cfg["calibration"]
     chosen = entry["threshold"]
-    assert entry["measure"] == "softmax_margin" and entry["delta"] == delta
-    assert entry["epsilon"] == 0.1 and entry["policy"] == "per_sequence"
-    assert entry["loss"] == "rouge" and entry["n"] == 30
+    assert entry["measure"] == "softmax_margin" and entry["delta"] == DELTA
+    assert entry["epsilon"] == 0.2 and entry["policy"] == "per_sequence"
+    assert entry["loss"] == "rouge" and entry["n"] == 40
     assert cfg["thresholds"] == {"softmax_margin": chosen} and cfg["enabled_by_default"] is True
-    report = json.loads((tmp_path / "r.json").read_text())
+    report = json.loads((calibrated.parent / "r.json").read_text())
     assert report["threshold"] == chosen
-    rows = report["rows"]
-    assert rows[0]["test"]["candidate"] == 0.99 and rows[0]["test"]["rejected"]
+    first = report["rows"][0]["test"]
+    assert first["candidate"] == 0.99 and first["rejected"] and first["p_value"] <= 0.2
 
-    llm = make_llm(model)
-    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    texts = prompts.read_text().splitlines()[:4]
+
+def test_engine_exits_with_the_calibrated_threshold(calibrated: Path) -> None:
+    chosen = json.loads((calibrated / "exit_config.json").read_text())["thresholds"][
+        "softmax_margin"
+    ]
+    llm = make_llm(calibrated)
+    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    texts = (calibrated.parent / "prompts.txt").read_text().splitlines()
     default = llm.generate(texts, sp, use_tqdm=False)
     explicit = llm.generate(texts, sp, use_tqdm=False, exit_params=ExitParams(threshold=chosen))
-    tolerant = llm.generate(texts, sp, use_tqdm=False, exit_params=ExitParams(tolerance=delta))
+    tolerant = llm.generate(texts, sp, use_tqdm=False, exit_params=ExitParams(tolerance=DELTA))
     for a, b, c in zip(default, explicit, tolerant):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
         assert a.outputs[0].exit_layers == b.outputs[0].exit_layers == c.outputs[0].exit_layers
-    plan = resolve_exit_plan(ExitParams(tolerance=delta), llm.engine.exit_config)
-    assert plan is not None and set(plan.thresholds.values()) == {chosen}
-    plan = resolve_exit_plan(None, llm.engine.exit_config)
-    assert plan is not None and set(plan.thresholds.values()) == {chosen}
+    layers = llm.engine.model_config.num_layers
+    assert any(x < layers for o in default for x in o.outputs[0].exit_layers)  # it does exit
+    for params in (None, ExitParams(tolerance=DELTA), ExitParams(tolerance=0.5)):
+        plan = resolve_exit_plan(params, llm.engine.exit_config)
+        assert plan is not None and set(plan.thresholds.values()) == {chosen}
     with pytest.raises(ValueError, match="no calibration for tolerance"):
-        llm.generate(texts[:1], sp, use_tqdm=False, exit_params=ExitParams(tolerance=delta / 2))
+        llm.generate(texts[:1], sp, use_tqdm=False, exit_params=ExitParams(tolerance=DELTA / 2))
 
-    # The server maps a request's early_exit.tolerance to the same plan.
+
+def test_server_passes_tolerance_through(calibrated: Path) -> None:
     pytest.importorskip("fastapi")
     from eeserve.server.protocol import EarlyExitOptions
     from eeserve.server.serving import to_exit_params
 
-    ep = to_exit_params(EarlyExitOptions(tolerance=delta), llm.engine.model_config.num_layers)
-    assert ep is not None and ep.tolerance == delta
-    assert resolve_exit_plan(ep, llm.engine.exit_config) == resolve_exit_plan(
-        ExitParams(threshold=chosen), llm.engine.exit_config
-    )
+    cfg = load_sidecar(calibrated)
+    assert cfg is not None
+    ep = to_exit_params(EarlyExitOptions.model_validate({"tolerance": DELTA}), cfg[0].num_layers)
+    assert ep is not None and ep.tolerance == DELTA
+    chosen = cfg[0].thresholds["softmax_margin"]
+    assert resolve_exit_plan(ep, cfg[0]) == resolve_exit_plan(ExitParams(threshold=chosen), cfg[0])
 
 
 def test_calibrate_into_out_config_leaves_the_model_alone(
