@@ -346,6 +346,7 @@ def main(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     engine = LLMEngine(engine_config(args))
+    args.measure = args.measure or engine.exit_config.default_measure
     out = target_folder(args.model, args.out_config)  # fail before the long run, not after
     prompts = prompt_ids(engine, load_prompts(args, "calib", args.n), args.chat)
     cal = calibrate(engine, prompts, args, full_table=args.full_table)
@@ -378,7 +379,7 @@ def add_calibrate_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("model", help="smollm2, an HF folder or a .gguf file")
     p.add_argument("--delta", type=float, default=0.05, help="allowed mean consistency loss")
     p.add_argument("--epsilon", type=float, default=0.05, help="allowed failure probability")
-    p.add_argument("--measure", default="softmax_margin", choices=MEASURES)
+    p.add_argument("--measure", default=None, choices=MEASURES, help="default: the model's")
     p.add_argument("--policy", dest="exit_policy", choices=EXIT_POLICIES, help="= --exit-policy")
     p.add_argument("--loss", default="rouge", choices=LOSSES, help="1-ROUGE-L or 1-token agreement")
     p.add_argument(
