@@ -17,7 +17,9 @@ request makes exactly ``max_tokens``:
 
 Repeats are interleaved (full depth, each early-exit setting and HF one after the other, per
 repeat) and each figure is the median run by decode tokens/s; a ratio divides two medians of
-the same run. Absolute figures mean something only within one report. ``write`` puts
+the same run. A further repeat starts only if it should end within ``--time-budget`` minutes of
+the first (at least one repeat always runs; the report says how many ran). Absolute figures
+mean something only within one report. ``write`` puts
 ``report.json``, ``report.md`` and the PNG plots (``bench_plots``) into the output folder.
 """
 
@@ -46,7 +48,7 @@ class _Defaults:
     cosine_thresholds: str  # hidden_cosine
 
 
-_FULL = _Defaults("1,8,32", 128, 3, 8, "0.5,0.8,0.9,0.95", "0.95,0.98,0.99,0.995")
+_FULL = _Defaults("1,8,32", 128, 3, 8, "0.5,0.9,0.99", "0.95,0.98,0.99")
 _QUICK = _Defaults("1,8", 32, 1, 8, "0.5,0.9", "0.95,0.99")
 
 
@@ -64,9 +66,10 @@ class ReportConfig:
     measure: str | None = None  # operating point; default: the exit config's
     threshold: float | None = None
     measures: list[str] | None = None  # frontier; default: all the model supports
-    thresholds: list[float] = field(default_factory=lambda: [0.5, 0.8, 0.9, 0.95])
-    cosine_thresholds: list[float] = field(default_factory=lambda: [0.95, 0.98, 0.99, 0.995])
+    thresholds: list[float] = field(default_factory=lambda: [0.5, 0.9, 0.99])
+    cosine_thresholds: list[float] = field(default_factory=lambda: [0.95, 0.98, 0.99])
     frontier_batch: int = 8
+    time_budget_min: float = 30.0  # no further repeat starts that would end later; 0: none
     hf: bool = True
     chat: bool = True
     threads: int | None = None
@@ -101,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> ReportConfig:
         thresholds=_floats(args.thresholds or base.thresholds),
         cosine_thresholds=_floats(args.cosine_thresholds or base.cosine_thresholds),
         frontier_batch=args.frontier_batch or base.frontier_batch,
+        time_budget_min=args.time_budget,
         hf=not args.no_hf,
         chat=args.prompt_format == "chat",
         threads=args.threads,
@@ -147,6 +151,8 @@ def canonical_command(cfg: ReportConfig) -> str:
         ",".join(f"{t:g}" for t in cfg.cosine_thresholds),
         "--frontier-batch",
         str(cfg.frontier_batch),
+        "--time-budget",
+        f"{cfg.time_budget_min:g}",
         "--prompt-format",
         "chat" if cfg.chat else "raw",
     ]
@@ -163,21 +169,24 @@ def canonical_command(cfg: ReportConfig) -> str:
 
 def run_report(cfg: ReportConfig) -> dict[str, Any]:
     """Measure everything (progress on stderr) and return the raw figures."""
-    from eeserve.bench_report_run import ReportRun
+    from eeserve.bench_report_run import ReportRun, run_blocks
 
+    started = time.strftime("%Y-%m-%d %H:%M:%S %z")
     t0 = time.perf_counter()
     run = ReportRun(cfg)
     run.warm_up()
     t1 = time.perf_counter()
-    with tqdm(total=run.total_runs(), desc="bench report", unit="run", file=sys.stderr) as bar:
-        results: dict[str, Any] = run.paper(bar)
-        t2 = time.perf_counter()
-        results["frontier"] = run.frontier(bar)
-    t3 = time.perf_counter()
+    blocks = run.blocks()
+    tokens = cfg.repeats * cfg.max_tokens * sum(b.batch * len(b.jobs) for b in blocks)
+    with tqdm(total=tokens, desc="bench report", unit="tok", file=sys.stderr) as bar:
+        done = run_blocks(blocks, cfg.repeats, 60 * cfg.time_budget_min, bar, cfg.max_tokens)
+    t2 = time.perf_counter()
+    results: dict[str, Any] = run.rows(blocks)
     results["meta"] = run.meta() | {
         "canonical_command": canonical_command(cfg),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(time.time() - (t3 - t0))),
-        "wall_s": {"setup": t1 - t0, "paper": t2 - t1, "frontier": t3 - t2, "total": t3 - t0},
+        "started": started,
+        "repeats_done": done,
+        "wall_s": {"setup and warm-up": t1 - t0, "measuring": t2 - t1, "total": t2 - t0},
     }
     return results
 
@@ -226,6 +235,12 @@ def add_report_parser(sub: Any) -> None:
     p.add_argument("--thresholds", default=None, help="sweep of softmax/classifier measures")
     p.add_argument("--cosine-thresholds", default=None, help="sweep of hidden_cosine")
     p.add_argument("--frontier-batch", type=int, default=None, help="batch of the frontier (8)")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=30.0,
+        help="minutes: a further repeat starts only if it should end within (0: no limit)",
+    )
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     p.add_argument("--prompt-format", choices=["chat", "raw"], default="chat")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -30,6 +30,12 @@ def _op(meta: dict[str, Any]) -> str:
     return f"`{op['measure']}` ≥ {op['threshold']:g} ({op['source']})"
 
 
+def _repeats(meta: dict[str, Any]) -> str:
+    done, planned = meta["repeats_done"], meta["repeats"]
+    budget = meta["config"]["time_budget_min"]
+    return str(done) if done == planned else f"{done} (of {planned}: {budget:g}-minute budget)"
+
+
 def setup_section(results: dict[str, Any]) -> str:
     meta = results["meta"]
     m, p, xc = meta["machine"], meta["prompts"], meta["exit_config"]
@@ -50,7 +56,7 @@ def setup_section(results: dict[str, Any]) -> str:
          f"seed={p['seed']})`, {p['format']} format, {p['tokens_min']}–{p['tokens_max']} tokens "
          f"(median {p['tokens_median']:g})"],
         ["generation", f"greedy, EOS ignored: {meta['max_tokens']} new tokens per request; "
-         f"median of {meta['repeats']} interleaved repeat(s)"],
+         f"median of {_repeats(meta)} interleaved repeat(s)"],
         ["batch sizes", ", ".join(map(str, meta["batch_sizes"]))
          + (f" (skipped, not enough memory: {skipped})" if skipped else "")],
         ["operating point", _op(meta)],

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
+import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,15 +87,34 @@ def fit_batch_sizes(
 Job = tuple[str, Callable[[], Run]]
 
 
-def run_interleaved(jobs: list[Job], repeats: int, bar: Any, what: str) -> dict[str, Run]:
-    """Each job ``repeats`` times, the jobs one after the other per repeat; median runs."""
-    runs: dict[str, list[Run]] = {key: [] for key, _ in jobs}
-    for _ in range(repeats):
-        for key, fn in jobs:
-            bar.set_postfix_str(f"{what}: {key}", refresh=True)
-            runs[key].append(fn())
-            bar.update(1)
-    return {k: median_of(v, "decode_tokens_per_s") for k, v in runs.items()}
+@dataclass
+class Block:
+    """Jobs measured side by side: one after the other in every repeat."""
+
+    what: str
+    batch: int
+    jobs: list[Job]
+    runs: dict[str, list[Run]] = field(default_factory=dict)
+
+    def median(self) -> dict[str, Run]:
+        return {k: median_of(v, "decode_tokens_per_s") for k, v in self.runs.items()}
+
+
+def run_blocks(blocks: list[Block], repeats: int, budget_s: float, bar: Any, tokens: int) -> int:
+    """Every block once per repeat; a further repeat starts only when the average repeat so far
+    fits in what is left of ``budget_s`` (0: no budget). Returns the repeats done (>= 1)."""
+    start = time.perf_counter()
+    for r in range(repeats):
+        elapsed = time.perf_counter() - start
+        if r and budget_s and elapsed * (r + 1) / r > budget_s:
+            print(f"time budget: stopping after {r} of {repeats} repeats", file=sys.stderr)
+            return r
+        for block in blocks:
+            for key, fn in block.jobs:
+                bar.set_postfix_str(f"{block.what}: {key}", refresh=True)
+                block.runs.setdefault(key, []).append(fn())
+                bar.update(block.batch * tokens)
+    return repeats
 
 
 def telemetry(run: Run, num_layers: int) -> dict[str, Any]:
@@ -120,7 +141,7 @@ def _speed(run: Run, full: Run) -> dict[str, float]:
     }
 
 
-def _ee_row(run: Run, full: Run, tokenizer: Any, num_layers: int, **keys: Any) -> dict[str, Any]:
+def _ee_row(run: Run, full: Run, *, tokenizer: Any, num_layers: int, **keys: Any) -> dict[str, Any]:
     agree, rouge = quality_vs(full, run, tokenizer)
     return {
         **keys,
@@ -227,10 +248,6 @@ class ReportRun:
             run_hf, self.hf, self.prompts[:b], self.cfg.max_tokens, self.pad, self.device
         )
 
-    def total_runs(self) -> int:
-        per_batch = 1 + len(self.engines) + (self.hf is not None)
-        return self.cfg.repeats * (len(self.batch_sizes) * per_batch + 1 + len(self.settings))
-
     def warm_up(self) -> None:
         measure, threshold, _ = self.op
         for engine in self.engines.values():
@@ -241,71 +258,51 @@ class ReportRun:
         if self.hf is not None:
             run_hf(self.hf, self.prompts[:2], 4, self.pad, self.device)
 
-    def paper(self, bar: Any) -> dict[str, list[dict[str, Any]]]:
-        """Sections 1 and 3: early exit vs full depth (and HF) per batch size."""
+    def blocks(self) -> list[Block]:
+        """One block per batch size (full depth, early exit per engine, HF), then the frontier."""
         measure, threshold, _ = self.op
-        params = ExitParams(threshold=threshold, measure=measure)
-        out: dict[str, list[dict[str, Any]]] = {"paper": [], "full_depth": [], "hf": []}
+        full, params = ExitParams(enabled=False), ExitParams(threshold=threshold, measure=measure)
+        out = []
         for b in self.batch_sizes:
-            jobs: list[Job] = [("full", self._engine_job(self.first, b, ExitParams(enabled=False)))]
+            jobs: list[Job] = [("full", self._engine_job(self.first, b, full))]
             jobs += [
                 (f"{p}/{f}", self._engine_job(e, b, params)) for (p, f), e in self.engines.items()
             ]
             if self.hf is not None:
                 jobs.append(("hf", self._hf_job(b)))
-            med = run_interleaved(jobs, self.cfg.repeats, bar, f"batch {b}")
-            full = med["full"]
-            out["full_depth"].append(
-                {
-                    "batch": b,
-                    "decode_tok_s": full.decode_tokens_per_s,
-                    "tok_s": full.tokens_per_s,
-                    "itl_ms": full.mean_itl_ms,
-                }
-            )
-            for p, f in self.engines:
-                out["paper"].append(
-                    _ee_row(
-                        med[f"{p}/{f}"],
-                        full,
-                        self.tokenizer,
-                        self.num_layers,
-                        batch=b,
-                        policy=p,
-                        kv_fill=f,
-                        measure=measure,
-                        threshold=threshold,
-                    )
-                )
-            if self.hf is not None:
-                out["hf"].append(_hf_row(med["hf"], full, b))
-        return out
-
-    def frontier(self, bar: Any) -> list[dict[str, Any]]:
-        """Section 2: per measure and threshold, speed ratio next to quality."""
-        (policy, kv_fill), engine = next(iter(self.engines.items()))
+            out.append(Block(f"batch {b}", b, jobs))
         b = self.frontier_batch
-        jobs: list[Job] = [("full", self._engine_job(engine, b, ExitParams(enabled=False)))]
+        jobs = [("full", self._engine_job(self.first, b, full))]
         for m, t, _ in self.settings:
             jobs.append(
-                (f"{m}@{t:g}", self._engine_job(engine, b, ExitParams(threshold=t, measure=m)))
+                (f"{m}@{t:g}", self._engine_job(self.first, b, ExitParams(threshold=t, measure=m)))
             )
-        med = run_interleaved(jobs, self.cfg.repeats, bar, f"frontier, batch {b}")
-        return [
-            _ee_row(
-                med[f"{m}@{t:g}"],
-                med["full"],
-                self.tokenizer,
-                self.num_layers,
-                batch=b,
-                policy=policy,
-                kv_fill=kv_fill,
-                measure=m,
-                threshold=t,
-                source=s,
-            )
+        return [*out, Block(f"frontier, batch {b}", b, jobs)]
+
+    def rows(self, blocks: list[Block]) -> dict[str, list[dict[str, Any]]]:
+        """Sections 1-3 from the measured blocks (medians)."""
+        measure, threshold, _ = self.op
+        out: dict[str, list[dict[str, Any]]] = {"paper": [], "full_depth": [], "hf": []}
+        row = partial(_ee_row, tokenizer=self.tokenizer, num_layers=self.num_layers)
+        for block in blocks[:-1]:
+            med, b = block.median(), block.batch
+            full = med["full"]
+            out["full_depth"].append(
+                {"batch": b, "decode_tok_s": full.decode_tokens_per_s,
+                 "tok_s": full.tokens_per_s, "itl_ms": full.mean_itl_ms}
+            )  # fmt: skip
+            for p, f in self.engines:
+                out["paper"].append(row(med[f"{p}/{f}"], full, batch=b, policy=p, kv_fill=f,
+                                        measure=measure, threshold=threshold))  # fmt: skip
+            if "hf" in med:
+                out["hf"].append(_hf_row(med["hf"], full, b))
+        med, (policy, kv_fill) = blocks[-1].median(), next(iter(self.engines))
+        out["frontier"] = [
+            row(med[f"{m}@{t:g}"], med["full"], batch=blocks[-1].batch, policy=policy,
+                kv_fill=kv_fill, measure=m, threshold=t, source=s)
             for m, t, s in self.settings
-        ]
+        ]  # fmt: skip
+        return out
 
     def meta(self) -> dict[str, Any]:
         lengths = [len(p) for p in self.prompts]

@@ -42,6 +42,7 @@ def test_json_covers_every_section(report: tuple[Path, dict[str, Any]]) -> None:
     assert {"meta", "paper", "full_depth", "hf", "frontier"} <= set(r)
     meta = r["meta"]
     assert meta["batch_sizes"] == BATCHES and meta["max_tokens"] == MAX_TOKENS
+    assert meta["repeats_done"] == meta["repeats"] == 1
     assert meta["num_layers"] == 4 and meta["dtype"] == "float32"
     assert meta["prompts"]["split"] == "bench" and meta["prompts"]["tokens_min"] > 0
     assert "bench report" in meta["canonical_command"]
@@ -98,3 +99,39 @@ def test_plots_are_png_files(report: tuple[Path, dict[str, Any]]) -> None:
     for name in ("frontier.png", "throughput.png", "exit_layers.png"):
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
+
+
+def test_time_budget_stops_further_repeats() -> None:
+    import time
+
+    from eeserve.bench import Run
+    from eeserve.bench_report_run import Block, run_blocks
+
+    class Bar:
+        def set_postfix_str(self, s: str, refresh: bool = True) -> None:
+            pass
+
+        def update(self, n: int) -> None:
+            pass
+
+    def job() -> Run:
+        time.sleep(0.02)
+        return Run(tokens_per_s=1.0, mean_itl_ms=1.0, decode_tokens_per_s=1.0)
+
+    blocks = [Block("b", 1, [("full", job), ("ee", job)])]
+    assert run_blocks(blocks, 5, 0.05, Bar(), 8) == 1  # the 2nd repeat would end past 0.05 s
+    assert [len(v) for v in blocks[0].runs.values()] == [1, 1]
+    blocks = [Block("b", 1, [("full", job)])]
+    assert run_blocks(blocks, 3, 0, Bar(), 8) == 3  # no budget
+
+
+def test_quick_and_full_defaults() -> None:
+    from eeserve.bench_report import config_from_args
+    from eeserve.cli import _build_parser
+
+    quick = config_from_args(_build_parser().parse_args(["bench", "report", "--quick"]))
+    assert quick.batch_sizes == [1, 8] and quick.max_tokens == 32 and quick.repeats == 1
+    assert quick.out == "bench/results/quick" and len(quick.thresholds) == 2
+    full = config_from_args(_build_parser().parse_args(["bench", "report", "--max-tokens", "256"]))
+    assert full.batch_sizes[:3] == [1, 8, 32] and full.max_tokens == 256 and full.repeats == 3
+    assert full.policies == ["per_sequence", "batch_all"] and full.kv_fills == ["fill", "recompute"]
