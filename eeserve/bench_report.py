@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -172,6 +173,7 @@ def run_report(cfg: ReportConfig) -> dict[str, Any]:
     from eeserve.bench_report_run import ReportRun, run_blocks
 
     started = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    load_start = _load_average()
     t0 = time.perf_counter()
     run = ReportRun(cfg)
     run.warm_up()
@@ -186,9 +188,34 @@ def run_report(cfg: ReportConfig) -> dict[str, Any]:
         "canonical_command": canonical_command(cfg),
         "started": started,
         "repeats_done": done,
+        "git_revision": _git_revision(),
+        "load_average": {"start": load_start, "end": _load_average()},
         "wall_s": {"setup and warm-up": t1 - t0, "measuring": t2 - t1, "total": t2 - t0},
     }
     return results
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (other work competing for the CPUs), where the OS has one."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def _git_revision() -> str | None:
+    """The checkout's commit (``+dirty`` with local changes), when run from a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(root), "describe", "--always", "--dirty=+dirty"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev.stdout.strip() or None
 
 
 def write(results: dict[str, Any], out: Path) -> list[Path]:

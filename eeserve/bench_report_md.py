@@ -40,6 +40,7 @@ def setup_section(results: dict[str, Any]) -> str:
     meta = results["meta"]
     m, p, xc = meta["machine"], meta["prompts"], meta["exit_config"]
     skipped = meta["skipped_batch_sizes"]
+    load = meta.get("load_average") or {}
     cal = ", ".join(
         f"{c.get('measure')} δ={c.get('delta')}: {c.get('threshold')}" for c in xc["calibration"]
     )
@@ -47,6 +48,9 @@ def setup_section(results: dict[str, Any]) -> str:
         ["machine", f"{m['platform']}; {m['processor']}; {m['os_cpu_count']} CPUs visible, "
          f"{m['torch_threads']} torch threads; torch {m['torch']}; device {m['device']}"
          + (f" ({m['cuda']})" if m.get("cuda") else "")],
+        ["load average (1 min)", f"{load.get('start')} at the start, {load.get('end')} at the end "
+         f"(other work on the machine; {m['os_cpu_count']} CPUs)"],
+        ["code", f"eeserve {meta.get('git_revision') or 'unknown revision'}"],
         ["model", f"`{meta['model']}` ({meta['num_layers']} layers), `{meta['model_path']}`"],
         ["dtype", meta["dtype"]],
         ["exit heads", f"{xc['head']} head, exit layers {xc['exit_layers']}, classifier probes "
