@@ -135,3 +135,27 @@ def test_quick_and_full_defaults() -> None:
     full = config_from_args(_build_parser().parse_args(["bench", "report", "--max-tokens", "256"]))
     assert full.batch_sizes[:3] == [1, 8, 32] and full.max_tokens == 256 and full.repeats == 3
     assert full.policies == ["per_sequence", "batch_all"] and full.kv_fills == ["fill", "recompute"]
+
+
+def test_default_and_calibrated_thresholds_join_the_frontier() -> None:
+    from eeserve.bench_report import ReportConfig
+    from eeserve.bench_report_run import frontier_settings, operating_point
+    from eeserve.exits import ExitConfig
+
+    xc = ExitConfig(
+        num_layers=30,
+        exit_layers=[6, 12],
+        classifier=True,
+        thresholds={"softmax_margin": 0.93},
+        calibration=[{"measure": "max_prob", "delta": 0.05, "epsilon": 0.05, "threshold": 0.97}],
+    )
+    cfg = ReportConfig(thresholds=[0.5], cosine_thresholds=[0.99])
+    points = frontier_settings(cfg, xc)
+    assert ("softmax_margin", 0.93, "default") in points
+    assert ("max_prob", 0.97, "calibrated δ=0.05") in points
+    assert ("classifier", 0.5, "sweep") in points and ("hidden_cosine", 0.99, "sweep") in points
+    assert operating_point(cfg, xc) == ("softmax_margin", 0.93, "exit config default")
+    cfg.measure = "max_prob"
+    assert operating_point(cfg, xc) == ("max_prob", 0.97, "calibrated")
+    cfg.threshold = 0.8
+    assert operating_point(cfg, xc) == ("max_prob", 0.8, "--threshold")
