@@ -351,7 +351,10 @@ def main(args: argparse.Namespace) -> int:
     prompts = prompt_ids(engine, load_prompts(args, "calib", args.n), args.chat)
     cal = calibrate(engine, prompts, args, full_table=args.full_table)
     print(format_table(cal, engine.model_config.num_layers, args))
-    report: dict[str, Any] = {"args": vars(args), "rows": [dataclasses.asdict(r) for r in cal.rows]}
+    report: dict[str, Any] = {
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "rows": [dataclasses.asdict(r) for r in cal.rows],
+    }
     report["threshold"] = cal.threshold
     if cal.threshold is None:
         print("no candidate passed the test: nothing written (try more prompts or fewer tokens)")
