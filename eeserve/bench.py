@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -216,6 +217,7 @@ def add_bench_parser(sub: Any) -> None:
         help="exit layer of the threshold-0 efficiency check",
     )
     p.add_argument("--exit-dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all)")
     p.set_defaults(func=main)
     sub_bench = p.add_subparsers(dest="bench_command", metavar="{report,serve}")
     from eeserve.bench_report import add_report_parser
@@ -235,8 +237,11 @@ def main(args: argparse.Namespace) -> int:
     from eeserve.loader import resolve_model
     from eeserve.prompts import fixed_length_ids, prompt_texts
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sections = args.sections.split(",")
     results: dict[str, Any] = {"machine": machine_description(), "args": vars(args)}
+    results["machine"]["load_average_at_start"] = os.getloadavg()
     if "hf" in sections:
         results.update(bench_vs_hf(args))
     if "exits" in sections:

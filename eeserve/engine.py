@@ -128,7 +128,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         plan = None
         if self.config.exit_policy != "none":
-            plan = resolve_exit_plan(exit_params, self.exit_config)
+            plan = resolve_exit_plan(exit_params, self.exit_config, self.config.exit_policy)
         seq = Sequence(
             request_id,
             ids,

@@ -98,7 +98,9 @@ def default_shared_exit_layers(num_layers: int) -> list[int]:
     return list(range(step, num_layers, step))
 
 
-def resolve_exit_plan(params: ExitParams | None, cfg: ExitConfig) -> ExitPlan | None:
+def resolve_exit_plan(
+    params: ExitParams | None, cfg: ExitConfig, policy: str | None = None
+) -> ExitPlan | None:
     if params is None:
         if not cfg.enabled_by_default:
             return None
@@ -118,7 +120,7 @@ def resolve_exit_plan(params: ExitParams | None, cfg: ExitConfig) -> ExitPlan | 
             raise ValueError(f"no tuned exit head at layers {missing}; available {cfg.exit_layers}")
     threshold = params.threshold
     if params.tolerance is not None:
-        threshold = calibrated_threshold(cfg, params.tolerance, measure)
+        threshold = calibrated_threshold(cfg, params.tolerance, measure, policy)
     if threshold is None:
         threshold = cfg.thresholds.get(measure)
     if threshold is None:
@@ -136,17 +138,23 @@ def resolve_exit_plan(params: ExitParams | None, cfg: ExitConfig) -> ExitPlan | 
     return ExitPlan(measure, {lay: t for lay, t in per_layer.items() if lay >= params.min_layer})
 
 
-def calibrated_threshold(cfg: ExitConfig, tolerance: float, measure: str) -> float:
+def calibrated_threshold(
+    cfg: ExitConfig, tolerance: float, measure: str, policy: str | None = None
+) -> float:
     """Threshold calibrated for quality loss <= ``tolerance`` (the loosest that still covers it)."""
     fits = [
         c
         for c in cfg.calibration
-        if c.get("measure") == measure and float(c["delta"]) <= tolerance  # type: ignore[arg-type]
+        if c.get("measure") == measure
+        and float(c["delta"]) <= tolerance  # type: ignore[arg-type]
+        # A threshold calibrated under one batch policy says nothing about another.
+        and (policy is None or c.get("policy") in (None, policy))
     ]
     if not fits:
         known = sorted({(c.get("measure"), c.get("delta")) for c in cfg.calibration}, key=str)
         raise ValueError(
-            f"no calibration for tolerance {tolerance} with measure {measure!r}; "
+            f"no calibration for tolerance {tolerance} with measure {measure!r}"
+            f"{f' under policy {policy!r}' if policy else ''}; "
             f"calibrated (measure, delta): {known or 'none'} (run `eeserve calibrate`)"
         )
     best = max(fits, key=lambda c: float(c["delta"]))  # type: ignore[arg-type]

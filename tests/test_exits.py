@@ -306,3 +306,19 @@ def test_recompute_with_batch_and_preemption(tiny_varied_dir: Path) -> None:
     # Preemption recomputes at full depth, which is what paying the debt gives: same tokens.
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
     assert any(layer < L for c in ref for layer in c.exit_layers)
+
+
+def test_calibration_applies_only_to_its_policy() -> None:
+    from eeserve.exits import ExitConfig, resolve_exit_plan
+
+    cfg = ExitConfig(
+        num_layers=L,
+        exit_layers=[1, 2, 3],
+        calibration=[
+            {"measure": "softmax_margin", "delta": 0.05, "threshold": 0.8, "policy": "per_sequence"}
+        ],
+    )
+    plan = resolve_exit_plan(ExitParams(tolerance=0.05), cfg, "per_sequence")
+    assert plan is not None and set(plan.thresholds.values()) == {0.8}
+    with pytest.raises(ValueError, match="batch_all"):
+        resolve_exit_plan(ExitParams(tolerance=0.05), cfg, "batch_all")

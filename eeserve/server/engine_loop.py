@@ -298,7 +298,7 @@ class EngineLoop:
         if ep is None or cfg is None or self.engine.config.exit_policy == "none":
             return
         try:
-            resolve_exit_plan(ep, cfg)
+            resolve_exit_plan(ep, cfg, self.engine.config.exit_policy)
         except ValueError as e:
             raise RequestRejected(str(e), "early_exit") from e
 
