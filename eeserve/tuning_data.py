@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +85,11 @@ def self_generated(
     max_chars: int = 600,
     batch: int = 64,
 ) -> list[Group]:
-    """At least ``tokens`` trained positions of the model's own greedy and sampled output."""
+    """At least ``tokens`` trained positions of the model's own greedy and sampled output.
+
+    Each prompt (even ones in the chat template, odd ones plain) is continued once greedily and
+    once sampled; rounds of at most ``batch`` prompts, sized to what is still missing.
+    """
     from eeserve.exits import ExitParams
     from eeserve.llm import chat_token_ids
     from eeserve.prompts import prompt_texts
@@ -92,34 +97,33 @@ def self_generated(
 
     groups: list[Group] = []
     bar = tqdm(total=tokens, desc=f"generate ({split})", unit="tok")
-    made, round_ = 0, 0
+    made = 0
+    room = llm.engine.max_model_len - max_tokens  # only a tiny test model's context is short
     while made < tokens:
-        texts = prompt_texts(batch, seed=seed + round_, split=split, max_chars=max_chars)
+        n = min(batch, max(4, math.ceil((tokens - made) / max_tokens)))
+        first = len(groups)
+        texts = prompt_texts(first + n, seed=seed, split=split, max_chars=max_chars)[first:]
         prompts: list[list[int]] = []
-        room = llm.engine.max_model_len - max_tokens
-        for i, text in enumerate(texts):  # half in the chat template, half as plain text
-            chat = (i + round_) % 2 == 0
+        for i, text in enumerate(texts, start=first):
             msg = [{"role": "user", "content": text}]
-            ids = chat_token_ids(llm.tokenizer, msg) if chat else llm.engine.tokenize(text)
-            prompts.append(ids[-room:])  # only a tiny test model's context is this short
+            ids = chat_token_ids(llm.tokenizer, msg) if i % 2 == 0 else llm.engine.tokenize(text)
+            prompts.append(ids[-room:])
         params = [SamplingParams(max_tokens=max_tokens, temperature=0.0) for _ in prompts]
         params += [
-            SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.9, seed=seed * 7919 + j)
-            for j in range(round_ * batch, (round_ + 1) * batch)
+            SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.9, seed=seed * 7919 + i)
+            for i in range(first, first + n)
         ]
         outs = llm.generate(
             prompts + prompts, params, use_tqdm=False, exit_params=ExitParams(enabled=False)
         )
         for i, ids in enumerate(prompts):
-            conts = [list(outs[i].outputs[0].token_ids), list(outs[i + batch].outputs[0].token_ids)]
+            conts = [list(outs[i].outputs[0].token_ids), list(outs[i + n].outputs[0].token_ids)]
             group = Group(ids, [c for c in conts if len(c) > 1])
-            if group.continuations and made < tokens:
-                groups.append(group)
-                made += group.num_trained
-                bar.update(group.num_trained)
-        round_ += 1
+            groups.append(group)  # kept even without continuations: indexes the prompts
+            made += group.num_trained
+            bar.update(group.num_trained)
     bar.close()
-    return groups
+    return [g for g in groups if g.continuations]
 
 
 def text_groups(files: list[Path], tokenizer: Any, max_len: int = 512) -> list[Group]:
@@ -170,7 +174,7 @@ class _Packed:
     rows: torch.Tensor  # [m] flat indices of trained positions
 
 
-def _pack(groups: list[Group]) -> _Packed:
+def _pack(groups: list[Group], prompt_rows: bool, decode_rows: bool) -> _Packed:
     ids: list[int] = []
     pos: list[int] = []
     spans: list[tuple[int, int, torch.Tensor]] = []
@@ -179,9 +183,12 @@ def _pack(groups: list[Group]) -> _Packed:
         start, p = len(ids), len(g.prompt)
         ids += g.prompt
         pos += range(p)
+        if prompt_rows:
+            rows += range(start, start + p)
         owner = [0] * p  # 0: prompt, i: continuation i
         for i, c in enumerate(g.continuations, start=1):
-            rows += range(len(ids), len(ids) + len(c) - 1)
+            if decode_rows:
+                rows += range(len(ids), len(ids) + len(c) - 1)
             ids += c
             pos += range(p, p + len(c))
             owner += [i] * len(c)
@@ -226,8 +233,12 @@ def collect(
     topk: int = 32,
     chunk_tokens: int = 4096,
     desc: str = "collect",
+    rows: str = "decode",
 ) -> Collected:
-    """Hidden states at every trained position of ``groups`` (see the module docstring)."""
+    """Hidden states at the trained positions of ``groups`` (see the module docstring).
+
+    ``rows``: "decode" (continuation positions), "prompt" (prompt positions) or "all".
+    """
     max_len = max(g.num_tokens for g in groups)
     cos_t, sin_t = rope_tables(model.config, max_len)
     wanted = set(exit_layers)
@@ -236,9 +247,9 @@ def collect(
     finals: list[torch.Tensor] = []
     tops: list[torch.Tensor] = []
     dtype = model.lm_head.weight.dtype
-    bar = tqdm(total=sum(g.num_trained for g in groups), desc=desc, unit="tok")
+    bar = tqdm(desc=desc, unit="tok")
     for part in _chunks(groups, chunk_tokens):
-        packed = _pack(part)
+        packed = _pack(part, rows in ("prompt", "all"), rows in ("decode", "all"))
         rot = Rotary(cos_t[packed.positions].to(dtype), sin_t[packed.positions].to(dtype))
         attend = _attention(packed)
         h = model.embed(packed.ids)
@@ -262,18 +273,27 @@ def collect(
     )
 
 
-def split_collected(c: Collected, first: int) -> tuple[Collected, Collected]:
-    """Rows [0, first) and [first, N) as two ``Collected``."""
+def collect_splits(
+    model: LlamaForCausalLM,
+    train_groups: list[Group],
+    heldout_groups: list[Group],
+    layers: list[int],
+    topk: int,
+    probe_fraction: float,
+) -> tuple[Collected, Collected, Collected]:
+    """Head-training, probe-training and held-out data.
 
-    def part(sl: slice) -> Collected:
-        return Collected(
-            {lay: v[sl] for lay, v in c.hidden.items()},
-            {lay: v[sl] for lay, v in c.cosine.items()},
-            c.final[sl],
-            c.top_idx[sl],
-        )
-
-    return part(slice(0, first)), part(slice(first, None))
+    The last ``probe_fraction`` of the tuning groups are kept for the probes (the heads never
+    see them). Heads also learn from prompt positions: free (the pass runs over them anyway) and
+    measured to help; probes and the report see decode positions only.
+    """
+    n_probe = max(1, round(len(train_groups) * probe_fraction))
+    heads = collect(
+        model, train_groups[:-n_probe], layers, topk, desc="collect (heads)", rows="all"
+    )
+    probe = collect(model, train_groups[-n_probe:], layers, topk, desc="collect (probes)")
+    heldout = collect(model, heldout_groups, layers, topk, desc="collect (held-out)")
+    return heads, probe, heldout
 
 
 def load_groups(

@@ -16,13 +16,14 @@ the default measure is the one with the best ideal speed-up there. ``write_repor
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from eeserve.exits import MEASURES
+from eeserve.exits import LOGIT_MEASURES, MEASURES
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaForCausalLM
 from eeserve.tuning_data import Collected
@@ -34,6 +35,7 @@ SWEEP = {
     "hidden_cosine": [0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99],
 }
 MIN_SPEEDUP = 1.1  # below this, exits are not worth enabling by default
+NEVER = 1.01  # a threshold no measure reaches
 
 
 @torch.no_grad()
@@ -87,10 +89,15 @@ def ece(prob: torch.Tensor, outcome: torch.Tensor, bins: int = 10) -> float:
 
 
 def cascade(
-    conf: torch.Tensor, agree: torch.Tensor, layers: list[int], threshold: float, cost: Any, L: int
+    conf: torch.Tensor,
+    agree: torch.Tensor,
+    layers: list[int],
+    threshold: float | list[float],
+    cost: Any,
+    L: int,
 ) -> dict[str, Any]:
-    """Exit at the first exit layer whose confidence reaches ``threshold``; conf/agree [N, E]."""
-    passed = conf >= threshold
+    """Exit at the first exit layer whose confidence reaches its threshold; conf/agree [N, E]."""
+    passed = conf >= torch.tensor(threshold, dtype=conf.dtype)
     exits = passed.any(1)
     first = passed.float().argmax(1)  # index of the first passing exit (0 when none passes)
     ok = agree.gather(1, first[:, None]).squeeze(1) & exits
@@ -108,6 +115,34 @@ def cascade(
         "mean_exit_layer": float(depth.mean()),
         "ideal_speedup": cost(exits, first),
     }
+
+
+def _single(conf: torch.Tensor, agree: torch.Tensor, meets: Any) -> float:
+    """The loosest one threshold for all layers whose cascade meets the target (1.01: never)."""
+    grid = torch.quantile(conf.flatten().double(), torch.linspace(0, 1, 401, dtype=torch.float64))
+    for t in sorted({round(float(x), 4) for x in grid}):
+        if meets(t):
+            return t
+    return NEVER
+
+
+def _layer_threshold(conf: torch.Tensor, agree: torch.Tensor, level: float) -> float:
+    """The lowest threshold at which the tokens reaching it agree at ``level`` (>= 20 tokens)."""
+    order = conf.argsort(descending=True)
+    running = agree[order].float().cumsum(0) / torch.arange(1, conf.numel() + 1)
+    ok = (running >= level).nonzero().flatten()
+    ok = ok[ok >= 19]
+    return round(float(conf[order[ok[-1]]]), 4) if ok.numel() else NEVER
+
+
+def _per_layer(conf: torch.Tensor, agree: torch.Tensor, meets: Any) -> list[float]:
+    """Per-layer thresholds, each the loosest that meets a common per-layer agreement level,
+    raised until the cascade meets the target."""
+    for level in torch.arange(0.9, 1.0001, 0.0025).tolist():
+        ts = [_layer_threshold(conf[:, e], agree[:, e], level) for e in range(conf.shape[1])]
+        if meets(ts):
+            return ts
+    return [NEVER] * conf.shape[1]
 
 
 def _cost_fn(
@@ -163,22 +198,22 @@ def evaluate(
         agrees.append(agree)
         confs.append(conf)
     agree_m = torch.stack(agrees, 1)
-    sweeps, chosen = {}, {}
+    sweeps, chosen, per_layer = {}, {}, {}
     for m in MEASURES:
         conf_m = torch.stack([c[m] for c in confs], 1)
-        cost = _cost_fn(model, heads, layers, m in ("softmax_margin", "max_prob"))
-        sweeps[m] = [cascade(conf_m, agree_m, layers, t, cost, L) for t in SWEEP[m]]
-        grid = sorted(set(torch.quantile(conf_m.flatten(), torch.linspace(0, 1, 401)).tolist()))
-        for t in grid:  # the loosest threshold that meets the target
-            res = cascade(conf_m, agree_m, layers, round(t, 4), cost, L)
-            if res["agreement_exiting"] >= target and res["exit_fraction"] > 0:
-                chosen[m] = res
-                break
-        else:
-            chosen[m] = cascade(conf_m, agree_m, layers, 1.01, cost, L)
-    useful = [m for m in MEASURES if chosen[m]["exit_fraction"] > 0]
-    best = max(useful, key=lambda m: chosen[m]["ideal_speedup"], default="softmax_margin")
-    good = chosen[best]["ideal_speedup"] >= MIN_SPEEDUP
+        cost = _cost_fn(model, heads, layers, m in LOGIT_MEASURES)
+        run = partial(cascade, conf_m, agree_m, layers, cost=cost, L=L)
+
+        def meets(t: float | list[float], run: Any = run) -> bool:
+            res = run(t)
+            return bool(res["exit_fraction"] > 0 and res["agreement_exiting"] >= target)
+
+        sweeps[m] = [run(t) for t in SWEEP[m]]
+        chosen[m] = run(_single(conf_m, agree_m, meets))
+        per_layer[m] = run(_per_layer(conf_m, agree_m, meets))
+    useful = [m for m in MEASURES if per_layer[m]["exit_fraction"] > 0]
+    best = max(useful, key=lambda m: per_layer[m]["ideal_speedup"], default="softmax_margin")
+    good = per_layer[best]["ideal_speedup"] >= MIN_SPEEDUP
     return {
         "exit_layers": layers,
         "num_layers": L,
@@ -186,6 +221,7 @@ def evaluate(
         "layers": rows,
         "cascade": sweeps,
         "chosen": chosen,
+        "chosen_per_layer": per_layer,
         "default_measure": best,
         "enabled_by_default": good,
     }
@@ -195,15 +231,53 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def markdown(r: dict[str, Any]) -> str:
+def _fmt(t: float | list[float]) -> str:
+    return " / ".join(f"{x:.3g}" for x in t) if isinstance(t, list) else f"{t:.4g}"
+
+
+def _chosen_rows(r: dict[str, Any]) -> list[str]:
     layers = r["exit_layers"]
+    head = " | ".join(f"exit <= {lay}" for lay in layers)
+    out = [
+        f"| measure | threshold | {head} | agree (exiting) | agree (all) | mean exit "
+        "| ideal speed-up |",
+        "|---|---|" + "---:|" * (len(layers) + 4),
+    ]
+    for kind in ("chosen", "chosen_per_layer"):
+        for m, c in r[kind].items():
+            cdf = " | ".join(f"{c['exit_cdf'][str(lay)]:.2f}" for lay in layers)
+            out.append(
+                f"| {m} | {_fmt(c['threshold'])} | {cdf} | {c['agreement_exiting']:.3f} "
+                f"| {c['token_agreement']:.3f} | {c['mean_exit_layer']:.1f} "
+                f"| {c['ideal_speedup']:.2f} |"
+            )
+    return out
+
+
+def _sweep_rows(r: dict[str, Any], m: str) -> list[str]:
+    layers = r["exit_layers"]
+    out = [
+        "| threshold | " + " | ".join(f"layer {lay}" for lay in layers) + " | cascade |",
+        "|---:|" + "---|" * (len(layers) + 1),
+    ]
+    for i, c in enumerate(r["cascade"][m]):
+        cells = [
+            f"{s['exit_fraction']:.2f} / {_pct(s['agreement'])}"
+            for s in (row["sweep"][m][i] for row in r["layers"])
+        ]
+        cells.append(f"{c['exit_fraction']:.2f} / {c['agreement_exiting']:.2f}")
+        out.append(f"| {c['threshold']:g} | " + " | ".join(cells) + " |")
+    return out
+
+
+def markdown(r: dict[str, Any]) -> str:
     out = [
         f"# Exit-head tuning report: {r.get('model', '?')}",
         "",
         "Tokens: "
         + ", ".join(f"{k} {v}" for k, v in r.get("tokens", {}).items())
         + f"; adapter `{r.get('options', {}).get('adapter')}`; "
-        f"{r.get('seconds', {}).get('total', 0):.0f} s. A threshold of 1.01 means never exit.",
+        f"{r.get('seconds', {}).get('total', 0):.0f} s.",
         "",
         "Argmax agreement with the final layer on held-out generated tokens (teacher-forced):",
         "",
@@ -215,46 +289,30 @@ def markdown(r: dict[str, Any]) -> str:
             f"| {row['layer']} | {row['agreement_shared']:.3f} | {row['agreement_tuned']:.3f} "
             f"| {row['kl_shared']:.2f} | {row['kl_tuned']:.2f} | {row['classifier_ece']:.3f} |"
         )
-    head = " | ".join(f"exit <= {lay}" for lay in layers)
     out += [
         "",
-        f"Thresholds chosen for agreement >= {r['target_agreement']} among exiting tokens "
-        f"(default measure `{r['default_measure']}`, enabled by default: "
-        f"{r['enabled_by_default']}):",
+        f"Thresholds for agreement >= {r['target_agreement']} among exiting tokens, one for all "
+        "exit layers (first four rows) or one per layer (last four; 1.01 = never exit there). "
+        "A token exits at the first exit layer whose confidence reaches the threshold. "
+        f"Default measure `{r['default_measure']}`, enabled by default: "
+        f"{r['enabled_by_default']}. Ideal speed-up: `bench_exits.CostModel`, KV fill.",
         "",
-        f"| measure | threshold | {head} | agree (exiting) | agree (all) | mean exit "
-        "| ideal speed-up |",
-        "|---|---:|" + "---:|" * (len(layers) + 4),
+        *_chosen_rows(r),
     ]
-    for m, c in r["chosen"].items():
-        cdf = " | ".join(f"{c['exit_cdf'][str(lay)]:.2f}" for lay in layers)
-        out.append(
-            f"| {m} | {c['threshold']:.4g} | {cdf} | {c['agreement_exiting']:.3f} "
-            f"| {c['token_agreement']:.3f} | {c['mean_exit_layer']:.1f} "
-            f"| {c['ideal_speedup']:.2f} |"
-        )
-    for m, rows in r["cascade"].items():
+    for m in r["cascade"]:
         out += [
             "",
             f"Sweep `{m}` (per layer: exit fraction / agreement among exiting; "
             "all exits: cascade):",
             "",
-            "| threshold | " + " | ".join(f"layer {lay}" for lay in layers) + " | cascade |",
-            "|---:|" + "---|" * (len(layers) + 1),
+            *_sweep_rows(r, m),
         ]
-        for i, c in enumerate(rows):
-            cells = [
-                f"{s['exit_fraction']:.2f} / {_pct(s['agreement'])}"
-                for s in (row["sweep"][m][i] for row in r["layers"])
-            ]
-            cells.append(f"{c['exit_fraction']:.2f} / {c['agreement_exiting']:.2f}")
-            out.append(f"| {c['threshold']:g} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
 def write_report(folder: Path, report: dict[str, Any]) -> str:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tune_report.json").write_text(json.dumps(report, indent=2))
+    (folder / "tune_report.json").write_text(json.dumps(report, indent=2, default=str))
     md = markdown(report)
     (folder / "tune_report.md").write_text(md)
     return md
