@@ -67,7 +67,7 @@ def quality_vs(ref: Run, run: Run, tokenizer: Any) -> tuple[float, float]:
 def bench_exits(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    thresholds = [float(t) for t in args.thresholds.split(",")]
+    thresholds = [float(t) for t in args.thresholds.split(",") if t]
     for policy in args.policies.split(","):
         for kv_fill in args.kv_fills.split(","):
             engine = LLMEngine(
@@ -84,6 +84,19 @@ def bench_exits(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict
             for b in batch_sizes:
                 rows += _sweep(engine, args, prompts[:b], policy, kv_fill, thresholds)
     return rows
+
+
+def _paired(run: Any, params: ExitParams, repeats: int) -> tuple[Run, float]:
+    """Median early-exit run and the median of per-repeat ratios to a full-depth run made right
+    before it: pairs share the machine's load at that moment, so drifting load cancels."""
+    runs: list[Run] = []
+    ratios: list[float] = []
+    for _ in range(repeats):
+        full = run(ExitParams(enabled=False))
+        runs.append(run(params))
+        ratios.append(runs[-1].decode_tokens_per_s / full.decode_tokens_per_s)
+    runs.sort(key=lambda r: r.decode_tokens_per_s)
+    return runs[len(runs) // 2], statistics.median(ratios)
 
 
 def _sweep(
@@ -112,9 +125,8 @@ def _sweep(
         )
     )
     for label, params in settings:
-        r = median_run(partial(run, params), args.repeats)
+        r, ratio = _paired(run, params, args.repeats)
         agree, rouge = quality_vs(full, r, engine.tokenizer)
-        ratio = r.decode_tokens_per_s / full.decode_tokens_per_s
         row = {
             "policy": policy,
             "kv_fill": kv_fill,
