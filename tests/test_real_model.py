@@ -43,7 +43,8 @@ class Real:
 
 @pytest.fixture(scope="module")
 def real() -> Real:
-    llm = make_llm("smollm2", kv_cache_memory=64 * 2**20)
+    # Full depth whatever the packaged exit config enables by default: this is the HF oracle.
+    llm = make_llm("smollm2", kv_cache_memory=64 * 2**20, exit_policy="none")
     hf = load_hf(resolve_model("smollm2"))
     ids = [llm.engine.tokenize(p) for p in PROMPTS]
     return Real(llm, hf, ids, [hf_greedy(hf, i, N_NEW) for i in ids])
