@@ -55,11 +55,11 @@ class TuneOptions:
     tokens: int = 30000  # self-generated tuning tokens (heads and probes together)
     heldout_tokens: int = 5000
     steps: int | None = None  # optimizer steps per head; default ``epochs`` passes
-    epochs: int = 2
+    epochs: int = 3
     adapter: str = DEFAULT_ADAPTER
     rank: int = 128  # lowrank / mlp width
     seed: int = 0
-    batch_size: int = 256
+    batch_size: int = 128
     lr: float = 3e-2
     weight_decay: float = 0.1
     probe_fraction: float = 0.15  # of the tuning groups, kept for the probes (unseen by heads)
@@ -354,10 +354,9 @@ def tune(opts: TuneOptions) -> dict[str, Any]:
         },
     )
     cfg.default_measure = report["default_measure"]
-    for m, single in report["chosen"].items():  # per-layer thresholds where they exit earlier
-        per = report["chosen_per_layer"][m]
-        better = per["mean_exit_layer"] < single["mean_exit_layer"]
-        cfg.thresholds[m] = per["threshold"] if better else single["threshold"]
+    # One threshold per measure: a per-layer list would not fit a request that picks its own
+    # exit layers (the report lists the per-layer ones, for ``ExitParams(threshold=[...])``).
+    cfg.thresholds = {m: c["threshold"] for m, c in report["chosen"].items()}
     cfg.enabled_by_default = bool(report["enabled_by_default"])
     save_sidecar(opts.out, cfg, heads)
     print(write_report(opts.out, report))

@@ -100,7 +100,7 @@ def self_generated(
     made = 0
     room = llm.engine.max_model_len - max_tokens  # only a tiny test model's context is short
     while made < tokens:
-        n = min(batch, max(4, math.ceil((tokens - made) / max_tokens)))
+        n = min(batch, max(4, math.ceil((tokens - made) / (1.5 * max_tokens))))
         first = len(groups)
         texts = prompt_texts(first + n, seed=seed, split=split, max_chars=max_chars)[first:]
         prompts: list[list[int]] = []

@@ -8,8 +8,10 @@ of tokens that would exit there and the agreement among them; over all exit laye
 (a token leaves at the first exit whose confidence reaches the threshold, as the engine's
 ``per_sequence`` policy does), the cumulative exit fraction per layer, the agreement among exiting
 tokens, the overall agreement and the ideal speed-up of the cost model in ``bench_exits``. Per
-measure it picks the loosest threshold whose exiting tokens agree with full depth at the target;
-the default measure is the one with the best ideal speed-up there. ``write_report`` writes
+measure it picks the loosest single threshold whose exiting tokens agree with full depth at the
+target (``chosen``, what the sidecar stores) and a per-layer set (``chosen_per_layer``); the
+default measure is the one with the best ideal speed-up at its single threshold; exits are
+enabled by default only when that speed-up reaches ``MIN_SPEEDUP``. ``write_report`` writes
 ``tune_report.json`` and ``tune_report.md`` and returns the markdown.
 """
 
@@ -211,9 +213,9 @@ def evaluate(
         sweeps[m] = [run(t) for t in SWEEP[m]]
         chosen[m] = run(_single(conf_m, agree_m, meets))
         per_layer[m] = run(_per_layer(conf_m, agree_m, meets))
-    useful = [m for m in MEASURES if per_layer[m]["exit_fraction"] > 0]
-    best = max(useful, key=lambda m: per_layer[m]["ideal_speedup"], default="softmax_margin")
-    good = per_layer[best]["ideal_speedup"] >= MIN_SPEEDUP
+    useful = [m for m in MEASURES if chosen[m]["exit_fraction"] > 0]
+    best = max(useful, key=lambda m: chosen[m]["ideal_speedup"], default="softmax_margin")
+    good = chosen[best]["ideal_speedup"] >= MIN_SPEEDUP
     return {
         "exit_layers": layers,
         "num_layers": L,
