@@ -32,10 +32,14 @@ class AttnMeta:
     spans: list[SeqSpan]
     # Decode fast path (every span has exactly one row, rows in span order): padded gather.
     gather_slots: torch.Tensor | None = None  # [S, T]
-    key_mask: torch.Tensor | None = None  # [S, 1, 1, T] True where the key exists
+    # [S, 1, 1, T] additive mask, -inf where a shorter context is padded; None when no context
+    # is padded. Additive in the cache dtype because CPU SDPA is ~25% slower with a bool mask.
+    key_bias: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, spans: list[SeqSpan], slot_mapping: torch.Tensor) -> AttnMeta:
+    def build(
+        cls, spans: list[SeqSpan], slot_mapping: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> AttnMeta:
         meta = cls(slot_mapping, spans)
         if spans and all(len(s.rows) == 1 for s in spans):
             lens = [len(s.context_slots) for s in spans]
@@ -44,11 +48,12 @@ class AttnMeta:
             gather = torch.zeros(len(spans), t, dtype=torch.long, device=dev)
             for i, s in enumerate(spans):
                 gather[i, : lens[i]] = s.context_slots
-            lens_t = torch.tensor(lens, device=dev)
             meta.gather_slots = gather
-            meta.key_mask = (torch.arange(t, device=dev)[None, :] < lens_t[:, None])[
-                :, None, None, :
-            ]
+            if min(lens) < t:
+                lens_t = torch.tensor(lens, device=dev)
+                padded = torch.arange(t, device=dev)[None, :] >= lens_t[:, None]
+                bias = torch.zeros(len(spans), t, dtype=dtype, device=dev)
+                meta.key_bias = bias.masked_fill_(padded, float("-inf"))[:, None, None, :]
         return meta
 
     def subset(self, keep_rows: list[int]) -> AttnMeta:
@@ -65,14 +70,10 @@ class AttnMeta:
                 kept_seq.append(si)
         idx = torch.tensor(keep_rows, dtype=torch.long, device=self.slot_mapping.device)
         meta = AttnMeta(self.slot_mapping[idx], spans)
-        if (
-            self.gather_slots is not None
-            and self.key_mask is not None
-            and keep_rows == sorted(keep_rows)
-        ):
+        if self.gather_slots is not None and keep_rows == sorted(keep_rows):
             sel = torch.tensor(kept_seq, dtype=torch.long, device=idx.device)
             meta.gather_slots = self.gather_slots[sel]
-            meta.key_mask = self.key_mask[sel]
+            meta.key_bias = None if self.key_bias is None else self.key_bias[sel]
         return meta
 
 
@@ -101,11 +102,14 @@ class PagedKVCache:
         """q: [N, H, hd]; k, v: [N, Hkv, hd] for the same rows. Returns [N, H*hd]."""
         self.write(layer, meta.slot_mapping, k, v)
         n, heads, hd = q.shape
-        if meta.gather_slots is not None and meta.key_mask is not None:
-            kc = self.k[layer][meta.gather_slots].transpose(1, 2)  # [S, Hkv, T, hd]
-            vc = self.v[layer][meta.gather_slots].transpose(1, 2)
+        if meta.gather_slots is not None:
+            # index_select on the flat slot axis: ~4x faster on CPU than advanced indexing.
+            flat = meta.gather_slots.view(-1)
+            shape = (*meta.gather_slots.shape, *self.k.shape[2:])  # [S, T, Hkv, hd]
+            kc = self.k[layer].index_select(0, flat).view(shape).transpose(1, 2)  # [S, Hkv, T, hd]
+            vc = self.v[layer].index_select(0, flat).view(shape).transpose(1, 2)
             o = F.scaled_dot_product_attention(
-                q.unsqueeze(2), kc, vc, attn_mask=meta.key_mask, enable_gqa=True
+                q.unsqueeze(2), kc, vc, attn_mask=meta.key_bias, enable_gqa=True
             )  # [S, H, 1, hd]
             return o.reshape(n, heads * hd)
         out = torch.empty(n, heads * hd, dtype=q.dtype, device=q.device)

@@ -114,7 +114,8 @@ class ModelRunner:
             spans.append(SeqSpan(rows, pos, context.to(self.device), fresh))
             last_rows.append(rows[-1])
         dev = self.device
-        meta = AttnMeta.build(spans, torch.tensor(slots, dtype=torch.long, device=dev))
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        meta = AttnMeta.build(spans, slot_t, self.kv.k.dtype)
         return Batch(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
