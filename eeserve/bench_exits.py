@@ -32,25 +32,31 @@ class CostModel:
     head: float
     kv_fill: float
     adapter: float
+    attn: float = 0.0  # the attention half of a layer: what a ``layer`` exit head's check runs
 
     @classmethod
     def of(cls, cfg: ModelConfig, adapter_params: int = 0) -> CostModel:
         d, hd = cfg.hidden_size, cfg.head_dim
         qkv = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
-        layer = qkv + cfg.num_heads * hd * d + 3 * d * cfg.intermediate_size
+        attn = qkv + cfg.num_heads * hd * d
         return cls(
-            layer=float(layer),
+            layer=float(attn + 3 * d * cfg.intermediate_size),
             head=float(cfg.vocab_size * d),
             kv_fill=float(2 * cfg.num_kv_heads * hd * d),
             adapter=float(adapter_params),
+            attn=float(attn),
         )
 
-    def ideal_ratio(self, num_layers: int, exit_layer: int) -> float:
+    def ideal_ratio(self, num_layers: int, exit_layer: int, layer_head: bool = False) -> float:
         """Cost(full depth) / cost(exit at ``exit_layer`` with ``fill``): one head projection
         either way (the exit's logits give the token), fill K/V for the layers above. The same
-        ratio holds for FLOPs (2 per weight and row) and for weight bytes (one read per step)."""
+        ratio holds for FLOPs (2 per weight and row) and for weight bytes (one read per step).
+        ``layer_head``: the exit is decided inside layer l + 1, whose attention the token also
+        runs (``adapter`` is then the head's MLP) and whose K/V need no fill."""
         full = num_layers * self.layer + self.head
         early = exit_layer * self.layer + self.head + self.adapter
+        if layer_head:
+            return full / (early + self.attn + (num_layers - exit_layer - 1) * self.kv_fill)
         early += (num_layers - exit_layer) * self.kv_fill
         return full / early
 

@@ -13,6 +13,16 @@ Contract: ``ExitLoop.run`` steps the decoder layers over a batch whose rows may 
   KV debt. A later step carries the owed positions as passenger rows that join the sequence's new
   row at the layer above their exit, so every layer the new row reads has their K/V first;
   passengers stop where the new row stops and owe the rest.
+``layer`` exit heads (``ExitHeads.layer_heads``): the check of exit layer l happens inside layer
+l + 1, between its attention and MLP halves. Every row runs layer l + 1's attention (so its K/V at
+l + 1 are written as usual); checked rows are measured on h_mid (softmax measures on the head's
+logits, ``classifier`` on h_mid, ``hidden_cosine`` = cos(h_mid, h_l)); rows that leave take the
+head's MLP instead of the layer's and stop, the others run the layer's MLP (no duplicated work).
+The exit is recorded as layer l and the row's exit hidden state is h_l, the input of layer l + 1:
+``fill`` writes K/V of layers l + 2.. from it (layer l + 1's attention already wrote exactly the
+K/V ``fill`` would give there), ``recompute`` owes layers l + 1.. with it. Such a row counts
+layer l + 1 in ``layers_run`` (it ran its attention and a head MLP). Forced depths leave after
+the full layer, as without layer heads.
 The result gives, per sequence, the logits of its token, its exit layer and confidence, and the
 new KV debt.
 """
@@ -27,7 +37,7 @@ import torch
 from eeserve.attention import AttnMeta, PagedKVCache
 from eeserve.exits import LOGIT_MEASURES, ExitPlan, confidence, decide
 from eeserve.models.exit_heads import ExitHeads
-from eeserve.models.llama import LlamaForCausalLM, Rotary
+from eeserve.models.llama import AttentionFn, LlamaDecoderLayer, LlamaForCausalLM, Rotary
 
 
 @dataclass
@@ -91,9 +101,11 @@ class ExitLoop:
         self.lm_head = lm_head
         self.heads = heads
         self.shared_head = shared_head
+        self.layer_heads = not shared_head and heads is not None and heads.layer_heads
 
     def head_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """Exit logits [n, V] (float32) from hidden states [n, D] after ``layer`` (1-based)."""
+        """Exit logits [n, V] (float32) of exit ``layer`` (1-based) from the head's input [n, D]:
+        the hidden state after ``layer``, or for layer heads h_mid of layer ``layer`` + 1."""
         if self.shared_head or self.heads is None:
             normed = self.model.final_norm(h)
         else:
@@ -118,8 +130,11 @@ class ExitLoop:
         for p in b.passengers.values():  # owed until carried further below
             st.debts[p.seq][p.position] = (p.join_layer - 1, p.hidden)
         rot, meta = self._reindex(st, rot0, meta0) if b.passengers else (rot0, meta0)
-        checks = {lay for p in b.plans if p is not None for lay in p.thresholds}
-        checks |= set(b.forced_depth.values())
+        plan_layers = {lay for p in b.plans if p is not None for lay in p.thresholds}
+        forced = set(b.forced_depth.values())
+        # Layer heads check exit l inside layer l + 1 (``inside``); otherwise after layer l.
+        inside = {lay + 1 for lay in plan_layers} if self.layer_heads else set()
+        checks = forced if self.layer_heads else plan_layers | forced
         for j, layer in enumerate(self.model.layers, start=1):
             if st.fill_h is not None:
                 rows = torch.tensor(st.fill_rows, dtype=torch.long, device=h0.device)
@@ -130,11 +145,18 @@ class ExitLoop:
                 rot, meta = self._reindex(st, rot0, meta0)
             if not st.active:
                 continue
-            h_prev = st.h
-            st.h = layer(st.h, rot, partial(self.kv.attend, meta=meta))
-            st.layers_run += len(st.active)
-            if j in checks and j < num_layers:
-                leave = self._check(j, h_prev, st, b, seq_of_row)
+            attn = partial(self.kv.attend, meta=meta)
+            if j in inside:  # only with layer heads, which never use ``h_prev`` below
+                if self._split_layer(j, layer, rot, attn, st, b, seq_of_row) and st.active:
+                    rot, meta = self._reindex(st, rot0, meta0)
+            else:
+                h_prev = st.h
+                st.h = layer(st.h, rot, attn)
+                st.layers_run += len(st.active)
+            if j in checks and j < num_layers and st.active:
+                leave = {i for i, r in enumerate(st.active) if b.forced_depth.get(r) == j}
+                if not self.layer_heads:
+                    leave |= self._check(j, st.h, h_prev, st, b, seq_of_row)
                 if leave:
                     self._leave(st, b, j, leave, seq_of_row)
                     if st.active:
@@ -160,9 +182,33 @@ class ExitLoop:
         st.active = st.active + rows
         return True
 
+    def _split_layer(
+        self,
+        j: int,
+        layer: LlamaDecoderLayer,
+        rot: Rotary,
+        attn: AttentionFn,
+        st: _State,
+        b: ExitBatch,
+        seq_of_row: dict[int, int],
+    ) -> bool:
+        """Layer ``j`` with the layer-head check of exit ``j - 1`` between its halves; True when
+        rows left (they leave with h_l, the layer's input, as their exit hidden state)."""
+        h_in = st.h
+        h_mid = layer.attn_block(h_in, rot, attn)
+        st.layers_run += len(st.active)
+        leave = self._check(j - 1, h_mid, h_in, st, b, seq_of_row)
+        if leave:
+            h_mid = h_mid[self._leave(st, b, j - 1, leave, seq_of_row)]
+        if st.active:
+            st.h = layer.mlp_block(h_mid)
+        return bool(leave)
+
     def _leave(
         self, st: _State, b: ExitBatch, j: int, leave: set[int], seq_of_row: dict[int, int]
-    ) -> None:
+    ) -> torch.Tensor:
+        """Rows at positions ``leave`` stop after layer ``j`` with ``st.h`` as their exit hidden
+        state; returns the positions kept (to index tensors aligned with the old rows)."""
         # A sequence's passengers stop where its sampled row stops.
         gone = {seq_of_row[st.active[i]] for i in leave if st.active[i] in seq_of_row}
         leave |= {
@@ -177,8 +223,10 @@ class ExitLoop:
         else:
             self._owe(st, b, j, rows_left, h_left, seq_of_row)
         keep = [i for i in range(len(st.active)) if i not in leave]
+        kept = torch.tensor(keep, dtype=torch.long, device=st.h.device)
         st.active = [st.active[i] for i in keep]
-        st.h = st.h[torch.tensor(keep, dtype=torch.long, device=st.h.device)]
+        st.h = st.h[kept]
+        return kept
 
     @staticmethod
     def _owe(
@@ -210,10 +258,18 @@ class ExitLoop:
                 st.out_logits[seq_of_row[st.active[i]]] = final[k]
 
     def _check(
-        self, j: int, h_prev: torch.Tensor, st: _State, b: ExitBatch, seq_of_row: dict[int, int]
+        self,
+        j: int,
+        h: torch.Tensor,
+        h_prev: torch.Tensor,
+        st: _State,
+        b: ExitBatch,
+        seq_of_row: dict[int, int],
     ) -> set[int]:
-        """Positions (in ``st.active``) of rows that leave after layer ``j``; records exits."""
-        leave = {i for i, r in enumerate(st.active) if b.forced_depth.get(r) == j}
+        """Positions (in ``st.active``) of rows whose plan makes them leave at exit layer ``j``;
+        records their exits. h: [n_active, D] the heads' input (h_j; h_mid of layer j + 1 for
+        layer heads), h_prev: the state it is compared with (``hidden_cosine``)."""
+        leave: set[int] = set()
         checked = [
             i
             for i, r in enumerate(st.active)
@@ -223,8 +279,8 @@ class ExitLoop:
             return leave
         seqs = [seq_of_row[st.active[i]] for i in checked]
         plans: list[ExitPlan] = [b.plans[s] for s in seqs]  # type: ignore[misc]
-        idx = torch.tensor(checked, dtype=torch.long, device=st.h.device)
-        hc, hp = st.h[idx], h_prev[idx]
+        idx = torch.tensor(checked, dtype=torch.long, device=h.device)
+        hc, hp = h[idx], h_prev[idx]
         c = [0.0] * len(checked)
         logits: torch.Tensor | None = None
         for measure in {p.measure for p in plans}:

@@ -83,8 +83,8 @@ class ExitConfig:
     num_layers: int
     exit_layers: list[int]
     head: str = "shared"  # "shared" (final norm + LM head) or "tuned" (own norm + adapter)
-    adapter: str = "none"
-    adapter_rank: int = 0
+    adapter: str = "none"  # none|linear|lowrank|mlp, or "layer" (see models.exit_heads)
+    adapter_rank: int = 0  # lowrank/mlp width; "layer": the model's MLP width
     classifier: bool = False
     default_measure: str = "softmax_margin"
     thresholds: dict[str, float | list[float]] = field(default_factory=dict)
@@ -173,8 +173,9 @@ def confidence(
 ) -> torch.Tensor:
     """Confidence [n] of rows at one exit.
 
-    logits: [n, V] exit-head logits (softmax measures); h: [n, D] hidden after the exit layer;
-    h_prev: [n, D] hidden before it (``hidden_cosine``); probe: [n] classifier logit.
+    logits: [n, V] exit-head logits (softmax measures); h: [n, D] hidden after the exit layer
+    (``layer`` heads: h_mid of the layer above); h_prev: [n, D] hidden before it (``layer`` heads:
+    h_l), for ``hidden_cosine``; probe: [n] classifier logit.
     """
     if measure in LOGIT_MEASURES:
         assert logits is not None

@@ -1,12 +1,13 @@
 """Exit-head tuning on a frozen model: ``eeserve tune-exits``.
 
 Contract: ``tune(opts)`` trains, per exit layer, a ``tuned`` exit head (own RMSNorm and a residual
-adapter feeding the model's frozen LM head) by distillation from the final layer's distribution,
-then a classifier probe on the trained head's agreement with the final argmax (on tuning text the
-head never saw); ``tuning_report.evaluate`` measures both on held-out generated tokens and picks
-the thresholds; the sidecar goes through ``save_sidecar``, the report next to it (JSON +
-markdown). The base model's weights are only read (a test checks them bit for bit). Training
-data is the user's text, or by default the model's own continuations (``tuning_data``).
+adapter feeding the model's frozen LM head; ``layer`` heads: ``tuning_layer``) by distillation
+from the final layer's distribution, then a classifier probe on the trained head's agreement with
+the final argmax (on tuning text the head never saw); ``tuning_report.evaluate`` measures both on
+held-out generated tokens and picks the thresholds; the sidecar goes through ``save_sidecar``, the
+report next to it (JSON + markdown). The base model's weights are only read (a test checks them
+bit for bit). Training data is the user's text, or by default the model's own continuations
+(``tuning_data``).
 Deterministic for a seed and thread count; every trained layer is checkpointed in the cache
 folder, and a rerun with the same options resumes.
 
@@ -38,9 +39,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from eeserve.exits import ExitConfig
-from eeserve.models.exit_heads import ADAPTERS, ExitHead, ExitHeads, save_sidecar
+from eeserve.models.exit_heads import ADAPTERS, ExitHead, ExitHeads, max_exit_layer, save_sidecar
 from eeserve.models.llama import LlamaForCausalLM, RMSNorm
 from eeserve.tuning_data import Collected
+from eeserve.tuning_layer import LAYER_LR, init_layer_heads
 from eeserve.tuning_report import evaluate, write_report
 
 DEFAULT_ADAPTER = "linear"
@@ -61,6 +63,7 @@ class TuneOptions:
     seed: int = 0
     batch_size: int = 128
     lr: float = 3e-2
+    layer_lr: float = LAYER_LR  # ``layer`` heads: a pretrained MLP, far smaller steps
     weight_decay: float = 0.1
     probe_fraction: float = 0.15  # of the tuning groups, kept for the probes (unseen by heads)
     topk: int = 32
@@ -76,6 +79,7 @@ class TuneOptions:
         d["data"] = [(str(p), p.stat().st_mtime_ns) for p in self.data]
         for k in ("out", "cache_dir", "threads", "target_agreement"):
             d.pop(k)
+        d.pop("lr" if self.adapter == "layer" else "layer_lr")  # unused: old keys stay valid
         return hashlib.sha256(json.dumps(d, default=str).encode()).hexdigest()[:16]
 
 
@@ -110,13 +114,16 @@ def sampled_kl(
 
 
 def init_heads(cfg: ExitConfig, model: LlamaForCausalLM) -> ExitHeads:
-    """Tuned heads that start as the shared head: final-norm weights, identity adapters."""
+    """Tuned heads that start as the shared head: final-norm weights, identity adapters (``layer``
+    heads: the shared head at layer l + 1)."""
     heads = ExitHeads(cfg, model.config.hidden_size, model.config.rms_norm_eps)
     final = model.model.norm
     assert isinstance(final, RMSNorm)
     with torch.no_grad():
         for layer in cfg.exit_layers:
             heads.head(layer).norm.weight.copy_(final.weight)
+    if cfg.adapter == "layer":
+        init_layer_heads(heads, model)
     return heads
 
 
@@ -145,7 +152,8 @@ def train_head(
     # stream has a few dimensions ~40x the median) and folded back afterwards.
     mu, sd = _stats(x)
     _fold(head, mu, sd, unfold=True)
-    opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=opts.weight_decay)
+    lr = opts.layer_lr if head.adapter.kind == "layer" else opts.lr
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=opts.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, steps))
     losses: list[float] = []
     bar = tqdm(range(steps), desc=desc, unit="step")
@@ -173,8 +181,8 @@ def train_head(
 def _adapt(head: ExitHead, h: torch.Tensor, mu: torch.Tensor, sd: torch.Tensor) -> torch.Tensor:
     """The adapter with its first matrix applied to (h - mu) / sd (bias-free: h / sd)."""
     ad = head.adapter
-    if ad.kind == "none":
-        return h
+    if ad.kind in ("none", "layer"):  # a layer head's first op is an RMSNorm: nothing to scale
+        return ad(h)  # type: ignore[no-any-return]
     first = ad.layers[0]
     assert isinstance(first, torch.nn.Linear)
     mid = first((h - mu) / sd if first.bias is not None else h / sd)
@@ -186,7 +194,7 @@ def _adapt(head: ExitHead, h: torch.Tensor, mu: torch.Tensor, sd: torch.Tensor) 
 @torch.no_grad()
 def _fold(head: ExitHead, mu: torch.Tensor, sd: torch.Tensor, unfold: bool) -> None:
     """Between W' on standardised inputs and W on raw ones: W = W' / sd, b = b' - W mu."""
-    if head.adapter.kind == "none":
+    if head.adapter.kind in ("none", "layer"):
         return
     first = head.adapter.layers[0]
     assert isinstance(first, torch.nn.Linear)
@@ -285,7 +293,7 @@ def tune_layers(
             head.load_state_dict(saved["state"])
             stats[layer], above = saved["stats"], layer
             continue
-        if above is not None and opts.adapter != "none":
+        if above is not None and opts.adapter not in ("none", "layer"):
             _warm_start(head, heads.head(above), train.hidden[layer], train.hidden[above])
         losses = train_head(head, train.hidden[layer], train, lm_w, opts, f"layer {layer}")
         agree = head_argmax(head, probe.hidden[layer], lm_w) == probe.target
@@ -317,24 +325,27 @@ def tune(opts: TuneOptions) -> dict[str, Any]:
     start = time.perf_counter()
     folder = resolve_model(opts.model)
     num_layers = read_config(folder).num_layers
-    bad = [x for x in opts.exit_layers if not 1 <= x < num_layers]
+    deepest = max_exit_layer(opts.adapter, num_layers)  # a layer head at l is layer l + 1
+    bad = [x for x in opts.exit_layers if not 1 <= x <= deepest]
     if bad or not opts.exit_layers:
-        raise ValueError(f"exit layers must be in [1, {num_layers - 1}], got {opts.exit_layers}")
+        raise ValueError(f"exit layers must be in [1, {deepest}], got {opts.exit_layers}")
     cache = opts.cache_dir or eeserve_home() / "tune" / folder.name
     train_groups, heldout_groups = load_groups(
         opts.model, opts.data, opts.tokens, opts.heldout_tokens, opts.seed, opts.max_tokens, cache
     )
     model, _ = load_model(folder, torch.float32, torch.device("cpu"))
     layers = sorted(set(opts.exit_layers))
+    mid = opts.adapter == "layer"  # layer heads read h_mid of layer l + 1
     train, probe, heldout = collect_splits(
-        model, train_groups, heldout_groups, layers, opts.topk, opts.probe_fraction
+        model, train_groups, heldout_groups, layers, opts.topk, opts.probe_fraction, mid
     )
+    ranks = {"lowrank": opts.rank, "mlp": opts.rank, "layer": model.config.intermediate_size}
     cfg = ExitConfig(
         num_layers=num_layers,
         exit_layers=layers,
         head="tuned",
         adapter=opts.adapter,
-        adapter_rank=opts.rank if opts.adapter in ("lowrank", "mlp") else 0,
+        adapter_rank=ranks.get(opts.adapter, 0),
         classifier=True,
     )
     heads = init_heads(cfg, model)
@@ -370,6 +381,7 @@ _KNOBS = {  # TuneOptions fields set from the command line, with their help
     "epochs": "passes over the data",
     "rank": "lowrank / mlp width",
     "lr": "peak learning rate (AdamW, warm-up then cosine)",
+    "layer_lr": "peak learning rate of --adapter layer heads (a pretrained MLP)",
     "weight_decay": "AdamW weight decay",
     "batch_size": "rows per step",
     "seed": "seed of sampling, shuffling and negatives",
@@ -383,9 +395,10 @@ def add_tune_parser(sub: Any) -> None:
     p = sub.add_parser(
         "tune-exits",
         help="train tuned exit heads and classifier probes on a frozen model",
-        description="Distil per-layer exit heads (own norm + adapter, frozen LM head) from the "
-        "final layer, train classifier probes, evaluate on held-out generated text and write "
-        "the exit sidecar and a report (tune_report.json/.md) to --out.",
+        description="Distil per-layer exit heads (own norm + adapter, or with --adapter layer a "
+        "copy of layer l+1's MLP after its shared attention; frozen LM head) from the final "
+        "layer, train classifier probes, evaluate on held-out generated text and write the exit "
+        "sidecar and a report (tune_report.json/.md) to --out.",
     )
     p.add_argument("model", help="smollm2, an HF folder or a .gguf file")
     p.add_argument("--exit-layers", required=True, help="comma-separated, e.g. 6,10,14,18,22,26")

@@ -14,7 +14,9 @@ Contract:
   and keeps, at trained positions only: the hidden state after each exit layer, its cosine with
   the state before that layer (``hidden_cosine``), the final-normed hidden state (the teacher's
   logits are recomputed from it on the fly: 30k x 49152 fp32 logits would be 6 GB) and the
-  teacher's top-k token ids (the first is the final layer's argmax).
+  teacher's top-k token ids (the first is the final layer's argmax). For ``layer`` exit heads
+  (``mid=True``) the state kept for exit l is h_mid of layer l + 1 instead (between its attention
+  and MLP halves), with cos(h_mid, h_l).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import hashlib
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +54,13 @@ class Group:
 
 @dataclass
 class Collected:
-    hidden: dict[int, torch.Tensor]  # exit layer -> [N, D] hidden after that layer
-    cosine: dict[int, torch.Tensor]  # exit layer -> [N] cos(h after, h before the layer)
+    hidden: dict[int, torch.Tensor]  # exit layer -> [N, D] the head's input (h_l, or h_mid)
+    cosine: dict[int, torch.Tensor]  # exit layer -> [N] cos(that input, the state before it)
     final: torch.Tensor  # [N, D] final-normed hidden state (teacher = lm_head(final))
     top_idx: torch.Tensor  # [N, k] int64, the teacher's top-k token ids (argmax first)
+    # exit layer -> [N, D] h_l, the logit-lens baseline's input: ``hidden`` itself, except for
+    # ``layer`` heads (``collect(mid=True)``), where it is kept only when asked (``lens=True``).
+    lens: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -234,16 +240,23 @@ def collect(
     chunk_tokens: int = 4096,
     desc: str = "collect",
     rows: str = "decode",
+    mid: bool = False,
+    lens: bool = False,
 ) -> Collected:
     """Hidden states at the trained positions of ``groups`` (see the module docstring).
 
     ``rows``: "decode" (continuation positions), "prompt" (prompt positions) or "all".
+    ``mid`` (``layer`` exit heads): for exit layer l keep instead h_mid, layer l + 1's state
+    between its attention and MLP halves (the head's input), and cos(h_mid, h_l); ``lens`` then
+    also keeps h_l in ``Collected.lens`` (without ``mid``, ``lens`` is ``hidden`` anyway).
     """
+    if mid and max(exit_layers) >= model.config.num_layers:
+        raise ValueError(f"mid states of exit l need a layer l + 1: got {max(exit_layers)}")
     max_len = max(g.num_tokens for g in groups)
     cos_t, sin_t = rope_tables(model.config, max_len)
-    wanted = set(exit_layers)
-    hidden: dict[int, list[torch.Tensor]] = {lay: [] for lay in exit_layers}
-    cosine: dict[int, list[torch.Tensor]] = {lay: [] for lay in exit_layers}
+    keep: dict[str, dict[int, list[torch.Tensor]]] = {
+        k: {lay: [] for lay in exit_layers} for k in ("hidden", "cosine", "lens")
+    }
     finals: list[torch.Tensor] = []
     tops: list[torch.Tensor] = []
     dtype = model.lm_head.weight.dtype
@@ -251,26 +264,53 @@ def collect(
     for part in _chunks(groups, chunk_tokens):
         packed = _pack(part, rows in ("prompt", "all"), rows in ("decode", "all"))
         rot = Rotary(cos_t[packed.positions].to(dtype), sin_t[packed.positions].to(dtype))
-        attend = _attention(packed)
-        h = model.embed(packed.ids)
-        for j, layer in enumerate(model.layers, start=1):
-            h_next = layer(h, rot, attend)
-            if j in wanted:
-                after, before = h_next[packed.rows], h[packed.rows]
-                hidden[j].append(after.float())
-                cosine[j].append(F.cosine_similarity(after.float(), before.float(), dim=-1))
-            h = h_next
+        h = _run_layers(model, packed, rot, exit_layers, mid, keep, lens)
         final = model.final_norm(h[packed.rows])
         finals.append(final.float())
         tops.append(model.lm_head(final).float().topk(topk, dim=-1).indices)
         bar.update(len(packed.rows))
     bar.close()
-    return Collected(
-        {lay: torch.cat(v) for lay, v in hidden.items()},
-        {lay: torch.cat(v) for lay, v in cosine.items()},
-        torch.cat(finals),
-        torch.cat(tops),
+    hidden, cosine = (
+        {lay: torch.cat(v) for lay, v in keep[k].items()} for k in ("hidden", "cosine")
     )
+    kept_lens = {lay: torch.cat(v) for lay, v in keep["lens"].items() if v}
+    return Collected(
+        hidden, cosine, torch.cat(finals), torch.cat(tops), kept_lens if mid else hidden
+    )
+
+
+def _run_layers(
+    model: LlamaForCausalLM,
+    packed: _Packed,
+    rot: Rotary,
+    exit_layers: list[int],
+    mid: bool,
+    keep: dict[str, dict[int, list[torch.Tensor]]],
+    lens: bool,
+) -> torch.Tensor:
+    """One pass over a chunk, appending the kept states to ``keep``; returns the last hidden."""
+    attend = _attention(packed)
+    # Where exit layer l is read: after layer l, or (``mid``) inside layer l + 1.
+    at = {(lay + 1 if mid else lay): lay for lay in exit_layers}
+    h = model.embed(packed.ids)
+    for j, layer in enumerate(model.layers, start=1):
+        exit_layer = at.get(j)
+        if exit_layer is None:
+            h = layer(h, rot, attend)
+            continue
+        before = h[packed.rows].float()
+        if mid:
+            h_mid = layer.attn_block(h, rot, attend)
+            after = h_mid[packed.rows].float()
+            h = layer.mlp_block(h_mid)
+        else:
+            h = layer(h, rot, attend)
+            after = h[packed.rows].float()
+        keep["hidden"][exit_layer].append(after)
+        keep["cosine"][exit_layer].append(F.cosine_similarity(after, before, dim=-1))
+        if mid and lens:
+            keep["lens"][exit_layer].append(before)
+    return h
 
 
 def collect_splits(
@@ -280,19 +320,20 @@ def collect_splits(
     layers: list[int],
     topk: int,
     probe_fraction: float,
+    mid: bool = False,
 ) -> tuple[Collected, Collected, Collected]:
-    """Head-training, probe-training and held-out data.
+    """Head-training, probe-training and held-out data (``mid``: for ``layer`` heads, see
+    ``collect``; the held-out split then keeps h_l too, for the report's shared-head baseline).
 
     The last ``probe_fraction`` of the tuning groups are kept for the probes (the heads never
     see them). Heads also learn from prompt positions: free (the pass runs over them anyway) and
     measured to help; probes and the report see decode positions only.
     """
     n_probe = max(1, round(len(train_groups) * probe_fraction))
-    heads = collect(
-        model, train_groups[:-n_probe], layers, topk, desc="collect (heads)", rows="all"
-    )
-    probe = collect(model, train_groups[-n_probe:], layers, topk, desc="collect (probes)")
-    heldout = collect(model, heldout_groups, layers, topk, desc="collect (held-out)")
+    run = partial(collect, model, exit_layers=layers, topk=topk, mid=mid)
+    heads = run(train_groups[:-n_probe], desc="collect (heads)", rows="all")
+    probe = run(train_groups[-n_probe:], desc="collect (probes)")
+    heldout = run(heldout_groups, desc="collect (held-out)", lens=True)
     return heads, probe, heldout
 
 

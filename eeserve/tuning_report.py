@@ -2,17 +2,18 @@
 
 Contract: ``evaluate`` measures, on held-out generated tokens (teacher-forced: every token's
 context is the full-depth one), per exit layer the argmax agreement with the final layer of the
-shared head (final norm + LM head) and of the tuned head, the full-vocabulary KL of each, the
-classifier's calibration (ECE), and for each measure a threshold sweep: per layer, the fraction
-of tokens that would exit there and the agreement among them; over all exit layers at once
-(a token leaves at the first exit whose confidence reaches the threshold, as the engine's
-``per_sequence`` policy does), the cumulative exit fraction per layer, the agreement among exiting
-tokens, the overall agreement and the ideal speed-up of the cost model in ``bench_exits``. Per
-measure it picks the loosest single threshold whose exiting tokens agree with full depth at the
-target (``chosen``, what the sidecar stores) and a per-layer set (``chosen_per_layer``); the
-default measure is the one with the best ideal speed-up at its single threshold; exits are
-enabled by default only when that speed-up reaches ``MIN_SPEEDUP``. ``write_report`` writes
-``tune_report.json`` and ``tune_report.md`` and returns the markdown.
+shared head (final norm + LM head on h_l) and of the tuned head (on its input: h_l, or for
+``layer`` heads h_mid of layer l + 1, collected with ``lens`` so the shared baseline stays h_l),
+the full-vocabulary KL of each, the classifier's calibration (ECE), and for each measure a
+threshold sweep: per layer, the fraction of tokens that would exit there and the agreement among
+them; over all exit layers at once (a token leaves at the first exit whose confidence reaches the
+threshold, as the engine's ``per_sequence`` policy does), the cumulative exit fraction per layer,
+the agreement among exiting tokens, the overall agreement and the ideal speed-up of the cost model
+in ``bench_exits``. Per measure it picks the loosest single threshold whose exiting tokens agree
+with full depth at the target (``chosen``, what the sidecar stores) and a per-layer set
+(``chosen_per_layer``); the default measure is the one with the best ideal speed-up at its single
+threshold; exits are enabled by default only when that speed-up reaches ``MIN_SPEEDUP``.
+``write_report`` writes ``tune_report.json`` and ``tune_report.md`` and returns the markdown.
 """
 
 from __future__ import annotations
@@ -46,13 +47,15 @@ def _layer_eval(
 ) -> tuple[dict[str, Any], torch.Tensor, dict[str, torch.Tensor]]:
     """Per-layer numbers, the tuned head's agreement [N] and each measure's confidence [N]."""
     lm_w = model.lm_head.weight
-    x, target = data.hidden[layer], data.target
+    # x: the tuned head's input (h_mid of layer l + 1 for layer heads); the shared head (logit
+    # lens) reads h_l (``Collected.lens``).
+    x, x_lens, target = data.hidden[layer], data.lens[layer], data.target
     shared: list[torch.Tensor] = []
     tuned: list[torch.Tensor] = []
     conf: dict[str, list[torch.Tensor]] = {"softmax_margin": [], "max_prob": []}
     kl_shared = kl_tuned = 0.0
-    for xs, ts in zip(x.split(1024), teacher.split(1024)):
-        ls = F.log_softmax(model.final_norm(xs) @ lm_w.T, -1)
+    for xs, xl, ts in zip(x.split(1024), x_lens.split(1024), teacher.split(1024)):
+        ls = F.log_softmax(model.final_norm(xl) @ lm_w.T, -1)
         lt = F.log_softmax(heads.normed(layer, xs) @ lm_w.T, -1)
         kl_shared += float(F.kl_div(ls, ts, log_target=True, reduction="sum"))
         kl_tuned += float(F.kl_div(lt, ts, log_target=True, reduction="sum"))
@@ -150,7 +153,13 @@ def _per_layer(conf: torch.Tensor, agree: torch.Tensor, meets: Any) -> list[floa
 def _cost_fn(
     model: LlamaForCausalLM, heads: ExitHeads, layers: list[int], logit_measure: bool
 ) -> Any:
-    """Ideal full-depth / early-exit cost per token (``bench_exits.CostModel``; fill strategy)."""
+    """Ideal full-depth / early-exit cost per token (``bench_exits.CostModel``; fill strategy).
+
+    A check costs the head (adapter + LM head) for softmax measures, a dot product otherwise; a
+    token that exits with a probe measure pays its head once more for its logits. A ``layer``
+    head decides exit l inside layer l + 1: an exiting token also runs that layer's attention,
+    whose K/V then need no fill, and its adapter cost is the head's MLP; a continuing token runs
+    that attention anyway (nothing extra)."""
     from eeserve.bench_exits import CostModel
 
     adapter = sum(
@@ -159,6 +168,7 @@ def _cost_fn(
     cm = CostModel.of(model.config, adapter)
     L = model.config.num_layers
     probe = float(model.config.hidden_size)
+    own_attn, attn_fills = (cm.attn, 1.0) if heads.layer_heads else (0.0, 0.0)
 
     def cost(exits: torch.Tensor, first: torch.Tensor) -> float:
         full = L * cm.layer + cm.head
@@ -167,7 +177,8 @@ def _cost_fn(
         check = cm.head + cm.adapter if logit_measure else probe
         out_head = torch.where(exits, 0.0 if logit_measure else cm.head + cm.adapter, cm.head)
         depth = torch.where(exits, lay[first], float(L))
-        early = depth * cm.layer + n_checks * check + out_head + (L - depth) * cm.kv_fill
+        fill = torch.where(exits, L - depth - attn_fills, 0.0) * cm.kv_fill
+        early = depth * cm.layer + exits.float() * own_attn + n_checks * check + out_head + fill
         return float(full / early.mean())
 
     return cost
@@ -297,7 +308,8 @@ def markdown(r: dict[str, Any]) -> str:
         "exit layers (first four rows) or one per layer (last four; 1.01 = never exit there). "
         "A token exits at the first exit layer whose confidence reaches the threshold. "
         f"Default measure `{r['default_measure']}`, enabled by default: "
-        f"{r['enabled_by_default']}. Ideal speed-up: `bench_exits.CostModel`, KV fill.",
+        f"{r['enabled_by_default']}. Ideal speed-up: `bench_exits.CostModel`, KV fill."
+        + _layer_note(r),
         "",
         *_chosen_rows(r),
     ]
@@ -310,6 +322,16 @@ def markdown(r: dict[str, Any]) -> str:
             *_sweep_rows(r, m),
         ]
     return "\n".join(out) + "\n"
+
+
+def _layer_note(r: dict[str, Any]) -> str:
+    if r.get("options", {}).get("adapter") != "layer":
+        return ""
+    return (
+        " Layer heads: the head of exit l is layer l+1's attention (shared) plus a tuned copy of "
+        "its MLP; it reads the state between the two, and `hidden_cosine` there is "
+        "cos(h_mid, h_l)."
+    )
 
 
 def write_report(folder: Path, report: dict[str, Any]) -> str:

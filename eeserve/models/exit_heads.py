@@ -4,6 +4,17 @@ Contract: ``ExitHeads`` holds, per exit layer, an optional own RMSNorm and adapt
 heads) and an optional classifier probe; the vocabulary projection is always the model's own,
 frozen LM head, passed in by the caller. ``load_sidecar``/``save_sidecar`` read and write the
 format documented in the README; the base model's weights are never touched.
+
+Adapter kinds: ``none|linear|lowrank|mlp`` are residual adapters applied to h_l, the hidden state
+after exit layer l. ``layer`` (EE-Tuning's "layer" head) is decoder layer l + 1 with its
+attention frozen and shared with the base model: the head's input is h_mid, layer l + 1's state
+between its attention and MLP halves (computed by the base layer, so the K/V it writes are the
+ones layer l + 1 caches anyway: no KV cache of its own), and its adapter is a trainable copy of
+that layer's post-attention RMSNorm + SwiGLU MLP (``adapter_rank`` = the MLP width, weights
+``adapter.post_attention_layernorm.weight``, ``adapter.mlp.gate_up_proj.weight`` (gate rows
+first), ``adapter.mlp.down_proj.weight``). Hence ``normed(l, h_mid)`` = ``norm(h_mid +
+mlp(post_norm(h_mid)))``, and a ``layer`` head needs exit layers <= L - 2 (layer l + 1 must
+exist below the final layer). Its classifier probe reads h_mid too.
 """
 
 from __future__ import annotations
@@ -16,24 +27,38 @@ import torch
 from torch import nn
 
 from eeserve.exits import ExitConfig, default_shared_exit_layers
-from eeserve.models.llama import RMSNorm
+from eeserve.models.llama import LlamaMLP, RMSNorm
 
 CONFIG_NAME = "exit_config.json"
 WEIGHTS_NAME = "exit_heads.safetensors"
 FORMAT = "eeserve-exit-heads/1"
-ADAPTERS = ("none", "linear", "lowrank", "mlp")
+ADAPTERS = ("none", "linear", "lowrank", "mlp", "layer")
+
+
+def max_exit_layer(adapter: str, num_layers: int) -> int:
+    """Deepest exit layer a head of kind ``adapter`` can serve (a ``layer`` head uses l + 1)."""
+    return num_layers - 2 if adapter == "layer" else num_layers - 1
 
 
 class Adapter(nn.Module):
-    """Residual adapter ``h + f(h)``, initialised to the identity (f = 0)."""
+    """Residual adapter ``h + f(h)``, initialised to the identity (f = 0), except ``layer``:
+    f = a decoder layer's MLP half (``rank`` = MLP width), which the caller fills from the base
+    model (``tuning_layer.init_layer_heads``)."""
 
-    def __init__(self, kind: str, dim: int, rank: int) -> None:
+    def __init__(self, kind: str, dim: int, rank: int, eps: float = 1e-5) -> None:
         super().__init__()
         if kind not in ADAPTERS:
             raise ValueError(f"adapter must be one of {ADAPTERS}, got {kind!r}")
         self.kind = kind
         self.layers = nn.ModuleList()
-        if kind == "linear":
+        self.post_attention_layernorm: RMSNorm | None = None
+        self.mlp: LlamaMLP | None = None
+        if kind == "layer":
+            if rank < 1:
+                raise ValueError("a 'layer' exit head needs adapter_rank = the model's MLP width")
+            self.post_attention_layernorm = RMSNorm(dim, eps)
+            self.mlp = LlamaMLP(dim, rank)
+        elif kind == "linear":
             self.layers.append(nn.Linear(dim, dim))
         elif kind in ("lowrank", "mlp"):
             self.layers.append(nn.Linear(dim, rank, bias=kind == "mlp"))
@@ -50,6 +75,8 @@ class Adapter(nn.Module):
             return h
         if self.kind == "linear":
             return h + self.layers[0](h)
+        if self.mlp is not None and self.post_attention_layernorm is not None:  # "layer"
+            return h + self.mlp(self.post_attention_layernorm(h))
         mid = self.layers[0](h)
         if self.kind == "mlp":
             mid = torch.nn.functional.silu(mid)
@@ -59,7 +86,7 @@ class Adapter(nn.Module):
 class ExitHead(nn.Module):
     def __init__(self, dim: int, eps: float, adapter: str, rank: int, classifier: bool) -> None:
         super().__init__()
-        self.adapter = Adapter(adapter, dim, rank)
+        self.adapter = Adapter(adapter, dim, rank, eps)
         self.norm = RMSNorm(dim, eps)
         self.classifier = nn.Linear(dim, 1) if classifier else None
 
@@ -67,6 +94,14 @@ class ExitHead(nn.Module):
 class ExitHeads(nn.Module):
     def __init__(self, cfg: ExitConfig, dim: int, eps: float) -> None:
         super().__init__()
+        deepest = max_exit_layer(cfg.adapter, cfg.num_layers)
+        bad = [x for x in cfg.exit_layers if not 1 <= x <= deepest]
+        if bad:
+            why = " (the head of exit l is decoder layer l + 1)" if cfg.adapter == "layer" else ""
+            raise ValueError(
+                f"exit layers {bad} out of range: {cfg.adapter!r} heads of a "
+                f"{cfg.num_layers}-layer model need exit layers in [1, {deepest}]{why}"
+            )
         self.config = cfg
         self.heads = nn.ModuleDict(
             {
@@ -78,8 +113,14 @@ class ExitHeads(nn.Module):
     def head(self, layer: int) -> ExitHead:
         return self.heads[str(layer)]  # type: ignore[return-value]
 
+    @property
+    def layer_heads(self) -> bool:
+        """Heads that read h_mid of layer l + 1 instead of h_l (see the module docstring)."""
+        return self.config.adapter == "layer"
+
     def normed(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """[n, D] hidden after ``layer`` -> [n, D] input of the LM head."""
+        """[n, D] head input (h_l; h_mid of layer l + 1 for ``layer`` heads) -> [n, D] input of
+        the LM head."""
         head = self.head(layer)
         return head.norm(head.adapter(h))  # type: ignore[no-any-return]
 

@@ -103,11 +103,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """SwiGLU MLP; sized by numbers, not a config, so that exit heads can hold their own copy."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -121,11 +123,20 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h: torch.Tensor, rot: Rotary, attn: AttentionFn) -> torch.Tensor:
+        return self.mlp_block(self.attn_block(h, rot, attn))
+
+    def attn_block(self, h: torch.Tensor, rot: Rotary, attn: AttentionFn) -> torch.Tensor:
+        """The attention half: input hidden -> the state between attention and MLP (h_mid).
+
+        Separate from ``mlp_block`` because a ``layer`` exit head decides inside this layer."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(h), rot)
-        h = h + self.self_attn.o_proj(attn(self.index, q, k, v))
+        return h + self.self_attn.o_proj(attn(self.index, q, k, v))
+
+    def mlp_block(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP half: h_mid -> this layer's output hidden."""
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def kv_from_hidden(self, h: torch.Tensor, rot: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
