@@ -17,7 +17,7 @@ import torch
 from eeserve.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.exit_loop import ExitBatch, ExitLoop, Passenger
 from eeserve.exits import ExitConfig
-from eeserve.kernels import PackedLinear, can_pack, pack_for_cpu
+from eeserve.kernels import PackedLinear, can_pack, pack_for_cpu, pack_linears
 from eeserve.models.config import ModelConfig, rope_tables
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaForCausalLM, Rotary
@@ -82,6 +82,8 @@ class ModelRunner:
             self.lm_head = PackedLinear(model.lm_head.weight, None)
         if exit_heads is not None:
             exit_heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+            if can_pack(device, dtype, config.hidden_size):
+                pack_linears(exit_heads)
         self._debt_hidden: dict[int, dict[int, torch.Tensor]] = {}
         self.exit_policy = exit_policy
         self.kv_fill = kv_fill
