@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from eeserve import LLM, SamplingParams
+from eeserve import LLM, ExitParams, SamplingParams
 from eeserve.loader import resolve_model
+from eeserve.prompts import prompt_texts
 from tests.tiny_model import (
     hf_greedy,
     hf_logprobs,
@@ -108,3 +109,26 @@ def test_chat_uses_the_template_and_answers(real: Real) -> None:
     ref = [int(t) for t in hf_out[0, len(ids) :]]
     assert c.token_ids == ref
     assert c.finish_reason == ("stop" if ref[-1] in eos else "length")
+
+
+def test_default_sidecar_exits_early_at_its_calibrated_default(real: Real) -> None:
+    """``LLM("smollm2")`` without exit arguments uses the packaged tuned heads and the threshold
+    calibrated for delta 0.05 / epsilon 0.05; a tolerance of 0.05 picks the same threshold."""
+    llm = make_llm("smollm2", kv_cache_memory=64 * 2**20)
+    cfg = llm.engine.exit_config
+    cal = [c for c in cfg.calibration if c["delta"] == 0.05 and c["epsilon"] == 0.05]
+    assert cfg.head == "tuned" and cfg.enabled_by_default and cal
+    assert cfg.default_measure == cal[0]["measure"]
+    assert cfg.thresholds[cfg.default_measure] == cal[0]["threshold"]
+    # Held-out prompts of the kind it was calibrated on (the calibration saw ~3% of layers saved).
+    prompts = prompt_texts(8, seed=0, split="heldout")
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=64)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    layers = [x for o in outs for x in o.outputs[0].exit_layers]
+    assert len(layers) == len(prompts) * 64
+    assert set(layers) <= {*cfg.exit_layers, 30} and min(layers) < 30, "nothing exited early"
+    tol = llm.generate(prompts, params, use_tqdm=False, exit_params=ExitParams(tolerance=0.05))
+    assert [o.outputs[0].token_ids for o in tol] == [o.outputs[0].token_ids for o in outs]
+    # Rows that left early really skipped layers: the run's telemetry says so.
+    assert all(o.outputs[0].exit_stats.layers_saved_fraction >= 0 for o in outs)
+    assert any(o.outputs[0].exit_stats.layers_saved_fraction > 0 for o in outs)
