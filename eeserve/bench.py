@@ -10,6 +10,7 @@ policies and thresholds next to full depth with their quality against full depth
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -101,17 +102,13 @@ def run_hf(
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     clock = _FirstTokenClock()
+    # EOS ignored like the engine's ``ignore_eos``: no stop token at all. (``min_new_tokens``
+    # would instead forbid EOS, so the texts part wherever the model wants to stop.)
+    gen = copy.deepcopy(model.generation_config)
+    gen.update(eos_token_id=[], pad_token_id=pad_id, max_new_tokens=max_tokens, do_sample=False)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=pad_id,
-            streamer=clock,
-        )
+        out = model.generate(ids, attention_mask=mask, generation_config=gen, streamer=clock)
     end = time.perf_counter()
     elapsed = end - start
     decode_s = end - (clock.first or start)

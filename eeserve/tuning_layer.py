@@ -10,8 +10,9 @@ Its sidecar has ``adapter_rank`` = the model's MLP width. Training reuses ``tuni
 distillation (``tuning.train_head``) and probes on h_mid, the head's input, which
 ``tuning_data.collect(mid=True)`` collects; no warm start from the layer above (each head starts
 from its own layer l + 1) and no input standardisation (the head's first op is an RMSNorm).
-Its learning rate is ``TuneOptions.layer_lr``: a pretrained MLP wants far smaller steps than a
-zero-initialised adapter.
+Its learning rate is ``TuneOptions.layer_lr``: a pretrained MLP wants smaller steps than a
+zero-initialised adapter (on the default model, 1e-4 left the heads near their start: held-out
+agreement 0.17 / 0.55 at layers 14 / 22; 2e-3 reached 0.41 / 0.76, bench/results/tuning/).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaForCausalLM
 
-LAYER_LR = 1e-4  # peak AdamW learning rate of layer heads (``TuneOptions.layer_lr``)
+LAYER_LR = 2e-3  # peak AdamW learning rate of layer heads (``TuneOptions.layer_lr``)
 
 
 @torch.no_grad()
