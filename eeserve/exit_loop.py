@@ -85,6 +85,9 @@ class _State:
     fill_h: torch.Tensor | None = None  # rows that left (fill): exit hidden [E, D]
     fill_rows: list[int] = field(default_factory=list)
     layers_run: int = 0
+    # Sequence -> LM-head input [D] of a row that left without logits yet: ``_finish`` projects
+    # them together with the full-depth rows, one pass over the vocabulary weights per step.
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ExitLoop:
@@ -103,14 +106,16 @@ class ExitLoop:
         self.shared_head = shared_head
         self.layer_heads = not shared_head and heads is not None and heads.layer_heads
 
-    def head_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """Exit logits [n, V] (float32) of exit ``layer`` (1-based) from the head's input [n, D]:
-        the hidden state after ``layer``, or for layer heads h_mid of layer ``layer`` + 1."""
+    def head_normed(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """LM-head input [n, D] of exit ``layer`` (1-based) from the head's input [n, D]: the
+        hidden state after ``layer``, or for layer heads h_mid of layer ``layer`` + 1."""
         if self.shared_head or self.heads is None:
-            normed = self.model.final_norm(h)
-        else:
-            normed = self.heads.normed(layer, h)
-        return self.lm_head(normed).float()  # type: ignore[no-any-return]
+            return self.model.final_norm(h)
+        return self.heads.normed(layer, h)
+
+    def head_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """Exit logits [n, V] (float32) of exit ``layer``; see ``head_normed``."""
+        return self.lm_head(self.head_normed(layer, h)).float()  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def run(self, h0: torch.Tensor, rot0: Rotary, meta0: AttnMeta, b: ExitBatch) -> ExitResult:
@@ -251,11 +256,18 @@ class ExitLoop:
                 p = b.passengers[r]
                 st.debts[p.seq].pop(p.position, None)
         pos = [i for i, r in enumerate(st.active) if r in seq_of_row]
+        owners = [seq_of_row[st.active[i]] for i in pos] + list(st.pending)
+        if not owners:
+            return
+        parts: list[torch.Tensor] = []  # LM-head inputs, in ``owners`` order
         if pos:
             idx = torch.tensor(pos, dtype=torch.long, device=st.h.device)
-            final = self.lm_head(self.model.final_norm(st.h[idx])).float()
-            for k, i in enumerate(pos):
-                st.out_logits[seq_of_row[st.active[i]]] = final[k]
+            parts.append(self.model.final_norm(st.h[idx]))  # [P, D]
+        if st.pending:
+            parts.append(torch.stack(list(st.pending.values())))  # [E, D]
+        logits = self.lm_head(torch.cat(parts)).float()
+        for k, s in enumerate(owners):
+            st.out_logits[s] = logits[k]
 
     def _check(
         self,
@@ -301,9 +313,12 @@ class ExitLoop:
         leaving = [k for k, g in enumerate(go) if g]
         if leaving and logits is None:
             sel = torch.tensor(leaving, dtype=torch.long, device=hc.device)
-            part = self.head_logits(j, hc[sel])
+            normed = self.head_normed(j, hc[sel])
         for n, k in enumerate(leaving):
-            st.out_logits[seqs[k]] = logits[k] if logits is not None else part[n]
+            if logits is not None:
+                st.out_logits[seqs[k]] = logits[k]
+            else:
+                st.pending[seqs[k]] = normed[n]
             st.exit_layer[seqs[k]] = j
             st.conf[seqs[k]] = float(c[k])
             leave.add(checked[k])
