@@ -210,8 +210,8 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument(
         "--efficiency-layer",
         type=int,
-        default=8,
-        help="exit layer of the threshold-0 efficiency check",
+        default=None,
+        help="exit layer of the threshold-0 efficiency check (default: the first exit layer)",
     )
     p.add_argument("--exit-dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all)")

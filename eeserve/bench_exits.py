@@ -122,12 +122,12 @@ def _sweep(
     settings: list[tuple[str, ExitParams]] = [
         (f"{t:g}", ExitParams(threshold=t, measure=measure)) for t in thresholds
     ]
+    # A tuned sidecar has heads only at its exit layers: default to the first of them.
+    eff_layer = args.efficiency_layer or engine.exit_config.exit_layers[0]
     settings.append(
         (
-            f"0@{args.efficiency_layer}",
-            ExitParams(
-                threshold=0.0, measure="softmax_margin", exit_layers=[args.efficiency_layer]
-            ),
+            f"0@{eff_layer}",
+            ExitParams(threshold=0.0, measure="softmax_margin", exit_layers=[eff_layer]),
         )
     )
     for label, params in settings:
