@@ -12,6 +12,7 @@ from eeserve import LLM, SamplingParams
 from eeserve.exits import ExitParams
 from eeserve.models.config import rope_tables
 from eeserve.models.llama import apply_rotary
+from tests.tiny_model import assert_cache_matches_hf, step_until_debt
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -244,14 +245,6 @@ def test_bad_exit_params_are_rejected(llm: LLM) -> None:
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
-def _hf_keys_values(model_dir: Path, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, HF's cached K and V [T, Hkv, hd] for a full-depth forward over ``ids``."""
-    hf = AutoModelForCausalLM.from_pretrained(model_dir)
-    with torch.no_grad():
-        cache = hf(torch.tensor([ids]), use_cache=True).past_key_values
-    return [(lay.keys[0].transpose(0, 1), lay.values[0].transpose(0, 1)) for lay in cache.layers]
-
-
 def test_recompute_pays_debt_before_it_is_read(tiny_varied_dir: Path) -> None:
     """``recompute``: owed positions get their deep K/V when a later token goes deeper, so every
     position not owed holds exactly the K/V of a full-depth pass; runs are deterministic."""
@@ -260,31 +253,9 @@ def test_recompute_pays_debt_before_it_is_read(tiny_varied_dir: Path) -> None:
     for _ in range(2):
         llm = LLM(str(tiny_varied_dir), kv_fill="recompute", enable_prefix_caching=False)
         engine = llm.engine
-        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        engine.add_request(PROMPTS[0], params, exit_params=exit_params)
-        seen_debt = False
-        while True:
-            engine.step()
-            (seq,) = engine.scheduler.running
-            seen_debt |= bool(seq.kv_debt)
-            if len(seq.output_token_ids) == 11:
-                break
-        assert seen_debt, "no token exited: weak test"
-        ref = _hf_keys_values(tiny_varied_dir, seq.token_ids[: seq.num_computed_tokens])
-        bs = engine.block_manager.block_size
-        kv = engine.runner.kv
-        checked = 0
-        for pos in range(seq.num_computed_tokens):
-            slot = seq.block_table[pos // bs] * bs + pos % bs
-            depth = seq.kv_debt.get(pos, L)  # owed positions have K/V up to their depth only
-            for layer in range(depth):
-                torch.testing.assert_close(
-                    kv.k[layer, slot], ref[layer][0][pos], atol=1e-5, rtol=1e-4
-                )
-                torch.testing.assert_close(
-                    kv.v[layer, slot], ref[layer][1][pos], atol=1e-5, rtol=1e-4
-                )
-                checked += 1
+        seq = step_until_debt(engine, PROMPTS[0], exit_params)
+        # Owed positions have K/V up to their depth only.
+        checked = assert_cache_matches_hf(engine, seq, tiny_varied_dir)
         assert checked > seq.num_prompt_tokens * L
         runs.append((list(seq.output_token_ids), list(seq.exit_layers)))
         engine.abort_request(seq.request_id)

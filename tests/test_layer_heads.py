@@ -3,7 +3,6 @@ of its MLP half. Checked against HF transformers hidden states and plain referen
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,16 @@ from eeserve.models.exit_heads import ExitHeads, load_exit_setup, load_sidecar, 
 from eeserve.models.llama import apply_rotary
 from eeserve.tuning import TuneOptions, init_heads, tune, tune_layers
 from eeserve.tuning_data import Group, collect
-from tests.tiny_model import kv_block_bytes, load_hf, make_llm, random_prompt
+from tests.tiny_model import (
+    assert_cache_matches_hf,
+    base_weight_hashes,
+    kv_block_bytes,
+    load_hf,
+    make_llm,
+    random_prompt,
+    step_until_debt,
+    tiny_tune_options,
+)
 
 L = 4  # layers of the tiny model; layer heads serve exit layers 1..L-2
 LAYERS = [1, 2]
@@ -271,68 +279,26 @@ def test_recompute_debt_with_layer_heads(layered: Path) -> None:
     owed position: layer l + 1's attention wrote it from the exact h_l."""
     llm = make_llm(layered, kv_fill="recompute", enable_prefix_caching=False)
     engine = llm.engine
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    engine.add_request(PROMPTS[0], params, exit_params=MIXED)
-    seen_debt = False
-    while True:
-        engine.step()
-        (seq,) = engine.scheduler.running
-        seen_debt |= bool(seq.kv_debt)
-        if len(seq.output_token_ids) == 11:
-            break
-    assert seen_debt, "no token exited: weak test"
-    hf = load_hf(layered)
-    with torch.no_grad():
-        cache = hf(torch.tensor([seq.token_ids[: seq.num_computed_tokens]])).past_key_values
-    bs = engine.block_manager.block_size
-    kv = engine.runner.kv
-    for pos in range(seq.num_computed_tokens):
-        slot = seq.block_table[pos // bs] * bs + pos % bs
-        depth = seq.kv_debt[pos] + 1 if pos in seq.kv_debt else L
-        for layer in range(depth):
-            ref_k = cache.layers[layer].keys[0, :, pos]
-            ref_v = cache.layers[layer].values[0, :, pos]
-            torch.testing.assert_close(kv.k[layer, slot], ref_k, atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(kv.v[layer, slot], ref_v, atol=1e-5, rtol=1e-4)
+    seq = step_until_debt(engine, PROMPTS[0], MIXED)
+    # An owed position has one layer more: layer l + 1's attention wrote it from the exact h_l.
+    assert_cache_matches_hf(engine, seq, layered, owed_extra=1)
     engine.abort_request(seq.request_id)
 
 
 # -- tuning -------------------------------------------------------------------------------------
 
 
-def _hashes(folder: Path) -> dict[str, str]:
-    return {
-        f.name: hashlib.sha256(f.read_bytes()).hexdigest()
-        for f in sorted(folder.glob("*.safetensors"))
-        if f.name != "exit_heads.safetensors"
-    }
-
-
 def _opts(folder: Path, cache: Path, **kw: Any) -> TuneOptions:
-    base: dict[str, Any] = dict(
-        model=str(folder),
-        exit_layers=LAYERS,
-        out=folder,
-        tokens=600,
-        heldout_tokens=300,
-        steps=60,
-        batch_size=64,
-        layer_lr=1e-3,
-        max_tokens=24,
-        threads=1,
-        cache_dir=cache,
-        adapter="layer",
-    )
-    base.update(kw)
-    return TuneOptions(**base)
+    layer: dict[str, Any] = dict(adapter="layer", layer_lr=1e-3)
+    return tiny_tune_options(folder, cache, LAYERS, **(layer | kw))
 
 
 def test_tune_exits_with_layer_heads(tiny_varied_dir: Path, tmp_path: Path) -> None:
     folder = tmp_path / "model"
     shutil.copytree(tiny_varied_dir, folder)
-    before = _hashes(folder)
+    before = base_weight_hashes(folder)
     report = tune(_opts(folder, tmp_path / "cache"))
-    assert _hashes(folder) == before
+    assert base_weight_hashes(folder) == before
     for stats in report["training"].values():
         assert stats["last_loss"] < stats["first_loss"], stats
     for row in report["layers"]:  # the layer head beats the logit lens at its exit layer

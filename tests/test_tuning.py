@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from eeserve.loader import load_model, packaged_sidecar
 from eeserve.models.exit_heads import build_exit_heads, load_exit_setup, load_sidecar, save_sidecar
 from eeserve.tuning import TuneOptions, init_heads, train_head, tune, tune_layers
 from eeserve.tuning_data import Group, collect, text_groups
-from tests.tiny_model import make_llm
+from tests.tiny_model import base_weight_hashes, make_llm, tiny_tune_options
 
 LAYERS = [1, 2, 3]
 
@@ -31,30 +30,8 @@ class Tuned:
     hashes_before: dict[str, str]
 
 
-def _hashes(folder: Path) -> dict[str, str]:
-    return {
-        f.name: hashlib.sha256(f.read_bytes()).hexdigest()
-        for f in sorted(folder.glob("*.safetensors"))
-        if f.name != "exit_heads.safetensors"
-    }
-
-
 def _opts(folder: Path, cache: Path, **kw: Any) -> TuneOptions:
-    base: dict[str, Any] = dict(
-        model=str(folder),
-        exit_layers=LAYERS,
-        out=folder,
-        tokens=600,
-        heldout_tokens=300,
-        steps=60,
-        batch_size=64,
-        lr=3e-3,
-        max_tokens=24,
-        threads=1,
-        cache_dir=cache,
-    )
-    base.update(kw)
-    return TuneOptions(**base)
+    return tiny_tune_options(folder, cache, LAYERS, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +39,7 @@ def tuned(tiny_varied_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Tu
     """A copy of the tiny model with a tuned sidecar written into its folder."""
     folder = tmp_path_factory.mktemp("tuned") / "model"
     shutil.copytree(tiny_varied_dir, folder)
-    before = _hashes(folder)
+    before = base_weight_hashes(folder)
     report = tune(_opts(folder, folder.parent / "cache"))
     return Tuned(folder, report, before)
 
@@ -101,7 +78,7 @@ def test_sidecar_and_report_written(tuned: Tuned) -> None:
 
 
 def test_base_weights_bit_identical_after_tuning(tuned: Tuned, tmp_path: Path) -> None:
-    assert _hashes(tuned.folder) == tuned.hashes_before  # the files
+    assert base_weight_hashes(tuned.folder) == tuned.hashes_before  # the files
     model, mcfg = load_model(tuned.folder, torch.float32, torch.device("cpu"))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     cfg = ExitConfig(mcfg.num_layers, LAYERS, head="tuned", adapter="linear", classifier=True)
@@ -207,3 +184,18 @@ def test_packaged_default_sidecar_loads() -> None:
     assert heads is not None and set(heads.heads) == {str(x) for x in cfg.exit_layers}
     size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
     assert size < 20 * 2**20
+
+
+def test_bench_exits_section_runs_on_a_tuned_sidecar(tuned: Tuned, tmp_path: Path) -> None:
+    """The efficiency check (every token exits at one layer) uses the sidecar's first exit
+    layer: a tuned sidecar has heads nowhere else."""
+    from eeserve.cli import main
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", str(tuned.folder), "--sections", "exits", "--out", str(out)]
+    small = ["--batch-sizes", "2", "--max-tokens", "4", "--repeats", "1", "--prompt-len", "8"]
+    assert main([*argv, *small, "--thresholds", "0.5", "--policies", "per_sequence"]) == 0
+    rows = {r["threshold"]: r for r in json.loads(out.read_text())["exits"]}
+    assert set(rows) == {"0.5", f"0@{LAYERS[0]}"}
+    # Prefill's first token is full depth; the other three leave at the first exit layer.
+    assert rows[f"0@{LAYERS[0]}"]["mean_exit_layer"] < LAYERS[1]

@@ -197,3 +197,85 @@ def random_prompt(length: int, seed: int, vocab_size: int) -> list[int]:
     """A reproducible prompt of ``length`` ordinary token ids (the 3 special ids excluded)."""
     gen = torch.Generator().manual_seed(seed)
     return [int(t) for t in torch.randint(3, vocab_size, (length,), generator=gen)]
+
+
+# -- recompute KV debt ---------------------------------------------------------------------------
+
+
+def step_until_debt(engine: Any, prompt: list[int], exit_params: Any, tokens: int = 11) -> Any:
+    """Run one greedy request until it has ``tokens`` outputs; returns its sequence (still
+    running). Asserts that some step left KV debt behind, so the caller's check is not vacuous."""
+    from eeserve import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
+    engine.add_request(prompt, params, exit_params=exit_params)
+    seen_debt = False
+    while True:
+        engine.step()
+        (seq,) = engine.scheduler.running
+        seen_debt |= bool(seq.kv_debt)
+        if len(seq.output_token_ids) == tokens:
+            break
+    assert seen_debt, "no token exited: weak test"
+    return seq
+
+
+def hf_keys_values(model_dir: Path, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, HF's cached K and V [T, Hkv, hd] for a full-depth forward over ``ids``."""
+    hf = load_hf(model_dir)
+    with torch.no_grad():
+        cache = hf(torch.tensor([ids]), use_cache=True).past_key_values
+    return [(lay.keys[0].transpose(0, 1), lay.values[0].transpose(0, 1)) for lay in cache.layers]
+
+
+def assert_cache_matches_hf(engine: Any, seq: Any, model_dir: Path, owed_extra: int = 0) -> int:
+    """Every cached position's K/V equals HF's full-depth ones: at every layer, or for a position
+    owed (``recompute`` debt) up to its exit layer + ``owed_extra``. Returns how many (position,
+    layer) pairs were compared."""
+    ref = hf_keys_values(model_dir, seq.token_ids[: seq.num_computed_tokens])
+    bs = engine.block_manager.block_size
+    kv = engine.runner.kv
+    checked = 0
+    for pos in range(seq.num_computed_tokens):
+        slot = seq.block_table[pos // bs] * bs + pos % bs
+        depth = seq.kv_debt[pos] + owed_extra if pos in seq.kv_debt else len(ref)
+        for layer in range(depth):
+            torch.testing.assert_close(kv.k[layer, slot], ref[layer][0][pos], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(kv.v[layer, slot], ref[layer][1][pos], atol=1e-5, rtol=1e-4)
+            checked += 1
+    return checked
+
+
+# -- exit-head tuning ----------------------------------------------------------------------------
+
+
+def base_weight_hashes(folder: Path) -> dict[str, str]:
+    """sha256 of the model's own weight files (the exit sidecar excluded)."""
+    import hashlib
+
+    return {
+        f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(folder.glob("*.safetensors"))
+        if f.name != "exit_heads.safetensors"
+    }
+
+
+def tiny_tune_options(folder: Path, cache: Path, exit_layers: list[int], **kw: Any) -> Any:
+    """``TuneOptions`` sized for a tiny model: a few hundred tokens and steps, one thread."""
+    from eeserve.tuning import TuneOptions
+
+    base: dict[str, Any] = dict(
+        model=str(folder),
+        exit_layers=exit_layers,
+        out=folder,
+        tokens=600,
+        heldout_tokens=300,
+        steps=60,
+        batch_size=64,
+        lr=3e-3,
+        max_tokens=24,
+        threads=1,
+        cache_dir=cache,
+    )
+    base.update(kw)
+    return TuneOptions(**base)
