@@ -1,11 +1,13 @@
 """Paged attention on top of PyTorch SDPA, and the per-step metadata it reads.
 
-Contract: ``PagedKVCache`` owns the K/V pool tensors (``[layers, slots, kv_heads, head_dim]``,
-slot = block_id * block_size + offset). ``attend`` first writes the rows' new K/V at their
-slots, then computes attention of the rows' queries over each sequence's cached context.
-``AttnMeta`` describes one forward pass: which slot each row writes and, per sequence, which
-rows are its queries and which slots form its context. ``subset`` re-targets it to the rows that
-are still running when some have exited early; sequences with no row left drop out.
+Contract: ``PagedKVCache`` owns the K/V pool tensors (``[layers, slots, kv_heads, head_dim]``, slot
+= block_id * block_size + offset). ``attend`` first writes the rows' new K/V at their slots, then
+computes attention of the rows' queries over each sequence's cached context. On CPU with the
+engine's kernels (``native.py``) decode attention reads the pool in place; otherwise the context is
+gathered and SDPA runs on the copy. ``AttnMeta`` describes one forward pass: which slot each row
+writes and, per sequence, which rows are its queries and which slots form its context. ``subset``
+re-targets it to the rows that are still running when some have exited early; sequences with no row
+left drop out.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from eeserve.native import NativeOps
 
 
 @dataclass
@@ -32,6 +36,7 @@ class AttnMeta:
     spans: list[SeqSpan]
     # Decode fast path (every span has exactly one row, rows in span order): padded gather.
     gather_slots: torch.Tensor | None = None  # [S, T]
+    context_lens: torch.Tensor | None = None  # [S] valid positions of each gather_slots row
     # [S, 1, 1, T] additive mask, -inf where a shorter context is padded; None when no context
     # is padded. Additive in the cache dtype because CPU SDPA is ~25% slower with a bool mask.
     key_bias: torch.Tensor | None = None
@@ -49,6 +54,7 @@ class AttnMeta:
             for i, s in enumerate(spans):
                 gather[i, : lens[i]] = s.context_slots
             meta.gather_slots = gather
+            meta.context_lens = torch.tensor(lens, dtype=torch.long, device=dev)
             if min(lens) < t:
                 lens_t = torch.tensor(lens, device=dev)
                 padded = torch.arange(t, device=dev)[None, :] >= lens_t[:, None]
@@ -73,6 +79,7 @@ class AttnMeta:
         if self.gather_slots is not None and keep_rows == sorted(keep_rows):
             sel = torch.tensor(kept_seq, dtype=torch.long, device=idx.device)
             meta.gather_slots = self.gather_slots[sel]
+            meta.context_lens = None if self.context_lens is None else self.context_lens[sel]
             meta.key_bias = None if self.key_bias is None else self.key_bias[sel]
         return meta
 
@@ -86,10 +93,13 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        native: NativeOps | None = None,
     ) -> None:
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.native = native  # decode attention that reads the pool in place (CPU)
+        self.scale = head_dim**-0.5
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [N, Hkv, hd] for the slots [N]."""
@@ -102,6 +112,12 @@ class PagedKVCache:
         """q: [N, H, hd]; k, v: [N, Hkv, hd] for the same rows. Returns [N, H*hd]."""
         self.write(layer, meta.slot_mapping, k, v)
         n, heads, hd = q.shape
+        if self.native is not None and meta.context_lens is not None:
+            assert meta.gather_slots is not None
+            o = self.native.decode_attention(
+                q, self.k[layer], self.v[layer], meta.gather_slots, meta.context_lens, self.scale
+            )  # [S, H, hd]
+            return o.view(n, heads * hd)
         if meta.gather_slots is not None:
             # index_select on the flat slot axis: ~4x faster on CPU than advanced indexing.
             flat = meta.gather_slots.view(-1)

@@ -1,9 +1,9 @@
 """Engine configuration: one dataclass, validated, with the derived device and dtype.
 
 Contract: ``EngineConfig`` holds every engine-level option (model, dtype, device, KV budget,
-batching limits, prefix caching, early-exit policy and KV-debt strategy). Invalid values raise
-``ValueError`` naming the field. ``resolved_device``/``resolved_dtype`` turn "auto" into real
-values: float32 on CPU, bfloat16 on CUDA.
+batching limits, prefix caching, early-exit policy and KV-debt strategy, CPU kernels). Invalid
+values raise ``ValueError`` naming the field. ``resolved_device``/``resolved_dtype`` turn "auto"
+into real values: float32 on CPU, bfloat16 on CUDA.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     exit_policy: str = "per_sequence"
     kv_fill: str = "fill"
+    # The engine's fused CPU kernels (eeserve/csrc, built once per machine); off: PyTorch ops only.
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

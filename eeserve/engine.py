@@ -84,6 +84,7 @@ class LLMEngine:
             heads,
             config.exit_policy,
             config.kv_fill,
+            config.cpu_kernels,
         )
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, _Detok] = {}

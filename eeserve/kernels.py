@@ -1,11 +1,14 @@
-"""CPU weight layouts for the projections: oneDNN-packed linear layers.
+"""CPU fast paths for a loaded model: oneDNN-packed projections and the engine's fused kernels.
 
-Contract: ``pack_for_cpu(model)`` replaces every projection of a loaded model by a ``PackedLinear``
-holding the same weights in oneDNN's blocked layout (the dense copy is dropped, so memory does not
-grow), and gives each attention a packed K/V-only projection for the KV-debt ``fill`` strategy.
-Outputs equal ``F.linear`` up to float rounding. Why: PyTorch's default CPU matmul reads float32
-weights at about half the memory bandwidth that the packed oneDNN kernels reach for the small row
-counts of decoding (measured with ``eeserve bench``); bfloat16 on CPUs with AVX512-BF16 likewise.
+Contract: ``use_native_ops(model, ops)`` routes every RMSNorm, rotary embedding and SwiGLU
+activation of the model through the engine's own kernels (``native.py``): same arithmetic, one pass
+each instead of several ATen ops. ``pack_for_cpu(model)`` replaces every projection of a loaded
+model by a ``PackedLinear`` holding the same weights in oneDNN's blocked layout (the dense copy is
+dropped, so memory does not grow), and gives each attention a packed K/V-only projection for the
+KV-debt ``fill`` strategy. Outputs equal ``F.linear`` up to float rounding. Why: PyTorch's default
+CPU matmul reads float32 weights at about half the memory bandwidth that the packed oneDNN kernels
+reach for the small row counts of decoding (measured with ``eeserve bench``); bfloat16 on CPUs with
+AVX512-BF16 likewise.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eeserve.models.llama import LlamaForCausalLM
+from eeserve.models.llama import LlamaForCausalLM, RMSNorm, Rotary
+from eeserve.native import NativeOps
 
 
 class PackedLinear(nn.Module):
@@ -61,3 +65,31 @@ def pack_linears(module: nn.Module, min_params: int = 1 << 19) -> None:
             setattr(module, name, PackedLinear(child.weight, child.bias))
         else:
             pack_linears(child, min_params)
+
+
+class NativeRMSNorm(nn.Module):
+    """An ``RMSNorm`` (the same weight parameter) computed by the fused kernel."""
+
+    def __init__(self, norm: RMSNorm, ops: NativeOps) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+def use_native_ops(model: LlamaForCausalLM, ops: NativeOps) -> None:
+    """Inference only: the kernels have no autograd and rotate in place."""
+
+    def rotary(x: torch.Tensor, rot: Rotary) -> torch.Tensor:
+        ops.rotary_(x, rot.cos, rot.sin)
+        return x
+
+    for layer in model.layers:
+        layer.input_layernorm = NativeRMSNorm(layer.input_layernorm, ops)  # type: ignore[assignment]
+        layer.post_attention_layernorm = NativeRMSNorm(layer.post_attention_layernorm, ops)  # type: ignore[assignment]
+        layer.self_attn.rotary = rotary
+        layer.mlp.act = ops.silu_mul
+    model.model.norm = NativeRMSNorm(model.model.norm, ops)  # type: ignore[arg-type]

@@ -17,10 +17,11 @@ import torch
 from eeserve.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.exit_loop import ExitBatch, ExitLoop, Passenger
 from eeserve.exits import ExitConfig
-from eeserve.kernels import PackedLinear, can_pack, pack_for_cpu, pack_linears
+from eeserve.kernels import PackedLinear, can_pack, pack_for_cpu, pack_linears, use_native_ops
 from eeserve.models.config import ModelConfig, rope_tables
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaForCausalLM, Rotary
+from eeserve.native import load as load_native
 from eeserve.sampler import Sampler
 from eeserve.sequence import Sequence
 
@@ -59,12 +60,14 @@ class ModelRunner:
         exit_heads: ExitHeads | None = None,
         exit_policy: str = "per_sequence",
         kv_fill: str = "fill",
+        cpu_kernels: bool = True,
     ) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        native = load_native() if device.type == "cpu" and cpu_kernels else None
         self.kv = PagedKVCache(
             config.num_layers,
             num_blocks * block_size,
@@ -72,11 +75,14 @@ class ModelRunner:
             config.head_dim,
             dtype,
             device,
+            native,
         )
         cos, sin = rope_tables(config, max_model_len)
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
         self.sampler = Sampler()
         self.lm_head: torch.nn.Module = model.lm_head
+        if native is not None:
+            use_native_ops(model, native)
         if can_pack(device, dtype, config.hidden_size):
             pack_for_cpu(model)
             self.lm_head = PackedLinear(model.lm_head.weight, None)

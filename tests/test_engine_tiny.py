@@ -82,7 +82,8 @@ class Variant:
     refs: list[list[int]]  # HF greedy continuation of each prompt
 
 
-VARIANTS = ["llama", "llama_varied", "qwen2_bias", "llama_untied"]
+# "..._pytorch": the same model without the engine's CPU kernels (PyTorch ops, gathered attention).
+VARIANTS = ["llama", "llama_varied", "qwen2_bias", "llama_untied", "llama_varied_pytorch"]
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -92,9 +93,10 @@ def variant(request: pytest.FixtureRequest) -> Variant:
         "llama_varied": "tiny_varied_dir",
         "qwen2_bias": "tiny_qwen2_dir",
         "llama_untied": "tiny_untied_dir",
+        "llama_varied_pytorch": "tiny_varied_dir",
     }[request.param]
     folder: Path = request.getfixturevalue(fixture)
-    llm = tiny(folder)
+    llm = tiny(folder, cpu_kernels=not request.param.endswith("_pytorch"))
     hf = load_hf(folder)
     v = vocab(llm)
     prompts: list[str | list[int]] = [

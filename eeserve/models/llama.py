@@ -51,6 +51,12 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
+# (x [N, heads, hd], tables) -> rotated x; a runner may swap in a fused kernel that rotates in place
+RotaryFn = Callable[[torch.Tensor, Rotary], torch.Tensor]
+# gate_up [N, 2I] -> silu(gate) * up [N, I]
+ActFn = Callable[[torch.Tensor], torch.Tensor]
+
+
 def apply_rotary(x: torch.Tensor, rot: Rotary) -> torch.Tensor:
     """x: [N, heads, hd]; HF's non-interleaved (rotate-half) convention."""
     cos = rot.cos.unsqueeze(1)
@@ -58,6 +64,11 @@ def apply_rotary(x: torch.Tensor, rot: Rotary) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class LlamaAttention(nn.Module):
@@ -75,13 +86,14 @@ class LlamaAttention(nn.Module):
         # Optional dedicated K/V projection (a runner that re-lays weights for its kernels sets
         # it); by default ``kv`` uses the K/V rows of ``qkv_proj``.
         self.kv_proj: nn.Module | None = None
+        self.rotary: RotaryFn = apply_rotary
 
     def qkv(self, x: torch.Tensor, rot: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: normed hidden [N, D] -> rotated q [N, H, hd], k [N, Hkv, hd], v [N, Hkv, hd]."""
         n = x.shape[0]
         qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # q and k heads rotated together: one set of elementwise ops instead of two.
-        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], rot)
+        qk = self.rotary(qkv[:, : self.num_heads + self.num_kv_heads], rot)
         return (
             qk[:, : self.num_heads],
             qk[:, self.num_heads :],
@@ -98,7 +110,7 @@ class LlamaAttention(nn.Module):
             b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size :]
             kv = F.linear(x, w, b)
         k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), rot)
+        k = self.rotary(k.view(n, self.num_kv_heads, self.head_dim), rot)
         return k, v.view(n, self.num_kv_heads, self.head_dim)
 
 
@@ -110,10 +122,10 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act: ActFn = silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))  # type: ignore[no-any-return]
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,123 @@
+"""The engine's own CPU kernels (``csrc/cpu_ops.cpp``): built once per machine, loaded on demand.
+
+Contract: ``load()`` returns ``NativeOps`` when the kernels are usable, else None (and logs why
+once): no C++ compiler, a failed build, ``EESERVE_NATIVE=0``, or a platform other than Linux.
+Every caller keeps a PyTorch path for None, so the engine runs everywhere and the kernels are
+only a speed-up. Each op equals its PyTorch reference up to float summation order
+(tests/test_native.py). The build lands in ``$EESERVE_HOME/kernels/<key>``, where the key covers
+the source, torch's version and the CPU (the code is compiled for this CPU's instruction set).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eeserve.loader import eeserve_home
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class NativeOps:
+    """Typed handles on the registered ops (``torch.ops.eeserve``)."""
+
+    ops: Any
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [S, H, D] (one query per sequence); k/v_cache [slots, Hkv, D]; slots [S, T] int64
+        (row s valid up to lens[s]) -> [S, H, D]."""
+        return self.ops.decode_attention(q, k_cache, v_cache, slots, lens, scale)  # type: ignore[no-any-return]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.ops.rms_norm(x, weight, eps)  # type: ignore[no-any-return]
+
+    def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate x [N, heads, D] (heads contiguous, rows may be strided) in place."""
+        self.ops.rotary_(x, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[N, 2I] (gate, then up) -> silu(gate) * up [N, I]."""
+        return self.ops.silu_mul(gate_up)  # type: ignore[no-any-return]
+
+
+def _cpu_key() -> str:
+    """What the compiled code depends on: the source, torch, and this CPU's instruction set."""
+    cpu = platform.processor()
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = "\n".join(
+            sorted(set(line for line in info if line.startswith(("flags", "model name"))))
+        )
+    except OSError:
+        pass
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cpu.encode()):
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+def _ninja_on_path() -> None:
+    """torch's extension builder runs ``ninja`` from PATH; the pip package may only be in the
+    virtual environment's bin folder, which is not on PATH when the venv is not activated."""
+    dirs = [str(Path(sys.executable).parent)]
+    try:
+        import ninja  # type: ignore[import-untyped]
+
+        dirs.append(ninja.BIN_DIR)
+    except ImportError:
+        pass
+    path = os.environ.get("PATH", "")
+    missing = [d for d in dirs if d not in path.split(os.pathsep)]
+    if missing:
+        os.environ["PATH"] = os.pathsep.join([*missing, path])
+
+
+@functools.cache
+def load() -> NativeOps | None:
+    if os.environ.get("EESERVE_NATIVE", "1") == "0":
+        return None
+    if platform.system() != "Linux":
+        log.info("eeserve CPU kernels: only built on Linux; using PyTorch ops")
+        return None
+    with _lock:
+        try:
+            from torch.utils.cpp_extension import load as build
+
+            _ninja_on_path()
+            out = eeserve_home() / "kernels" / _cpu_key()
+            out.mkdir(parents=True, exist_ok=True)
+            log.info("eeserve CPU kernels: loading (built once into %s)", out)
+            build(
+                name="eeserve_cpu_ops",
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(out),
+                is_python_module=False,
+                verbose=False,
+            )
+        except Exception as exc:  # no compiler, no ninja, a build error: PyTorch ops instead
+            log.warning("eeserve CPU kernels unavailable (%s); using PyTorch ops", exc)
+            return None
+    return NativeOps(torch.ops.eeserve)

@@ -1,0 +1,149 @@
+"""The engine's CPU kernels (eeserve/csrc/cpu_ops.cpp) against the PyTorch arithmetic they replace.
+
+They must build here: CI has gcc and installs ninja, so a build failure fails these tests rather
+than silently falling back. ``EESERVE_NATIVE=0`` (kernels deliberately off) skips them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eeserve.attention import AttnMeta, PagedKVCache, SeqSpan
+from eeserve.models.llama import Rotary, apply_rotary, silu_and_mul
+from eeserve.native import NativeOps, load
+from tests.tiny_model import make_llm
+
+if os.environ.get("EESERVE_NATIVE") == "0":
+    pytest.skip("CPU kernels switched off (EESERVE_NATIVE=0)", allow_module_level=True)
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def ops() -> NativeOps:
+    native = load()
+    assert native is not None, "the CPU kernels did not build (see the log for the error)"
+    return native
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    err = (a.float() - b.float()).abs().max().item()
+    assert err <= TOL[dtype] * max(1.0, b.float().abs().max().item()), err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_rms_norm(ops: NativeOps, dtype: torch.dtype, rows: int) -> None:
+    x = torch.randn(rows, 72).to(dtype) * 3
+    w = (1 + 0.3 * torch.randn(72)).to(dtype)
+    xf = x.float()
+    ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)  # HF
+    close(ops.rms_norm(x, w, 1e-6), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_rotates_a_strided_view_in_place(ops: NativeOps, dtype: torch.dtype) -> None:
+    n, heads, rotated, hd = 7, 10, 6, 32
+    fused = torch.randn(n, heads, hd).to(dtype)  # like q|k|v of one fused projection
+    angles = torch.rand(n, hd // 2) * 6
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    ref = apply_rotary(fused[:, :rotated], Rotary(cos, sin))
+    out = fused.clone()
+    ops.rotary_(out[:, :rotated], cos, sin)
+    close(out[:, :rotated], ref, dtype)
+    assert torch.equal(out[:, rotated:], fused[:, rotated:])  # the v heads are untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(ops: NativeOps, dtype: torch.dtype) -> None:
+    gate_up = torch.randn(9, 2 * 40).to(dtype) * 4
+    close(ops.silu_mul(gate_up), silu_and_mul(gate_up), dtype)
+
+
+def _reference_decode(q, k_pool, v_pool, slots, lens):  # type: ignore[no-untyped-def]
+    out = []
+    for s in range(q.shape[0]):
+        ctx = slots[s, : lens[s]]
+        k = k_pool[ctx].transpose(0, 1)  # [Hkv, T, hd]
+        v = v_pool[ctx].transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            q[s, :, None].float(), k.float(), v.float(), enable_gqa=True
+        )
+        out.append(o.squeeze(1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hd", [16, 64, 128])
+@pytest.mark.parametrize(("seqs", "heads", "kv_heads"), [(1, 4, 2), (6, 9, 3), (3, 4, 4)])
+def test_decode_attention_reads_the_pool_in_place(
+    ops: NativeOps, dtype: torch.dtype, hd: int, seqs: int, heads: int, kv_heads: int
+) -> None:
+    """Padded slot rows, contexts of different lengths (one of them 1), GQA and plain MHA, one
+    sequence (heads split across threads) and several, q rows strided as in a fused projection."""
+    torch.manual_seed(hd + seqs)
+    pool = 200
+    k_pool = torch.randn(pool, kv_heads, hd).to(dtype)
+    v_pool = torch.randn(pool, kv_heads, hd).to(dtype)
+    lens = torch.tensor([1 + (37 * (s + 1)) % 60 for s in range(seqs)])
+    t = int(lens.max())
+    slots = torch.zeros(seqs, t, dtype=torch.long)
+    for s in range(seqs):
+        slots[s, : lens[s]] = torch.randperm(pool)[: int(lens[s])]
+    fused = torch.randn(seqs, heads + 2 * kv_heads, hd).to(dtype)
+    q = fused[:, :heads]
+    out = ops.decode_attention(q, k_pool, v_pool, slots, lens, hd**-0.5)
+    close(out, _reference_decode(q, k_pool, v_pool, slots, lens), dtype)
+
+
+def test_paged_cache_uses_the_kernel_and_matches_sdpa(ops: NativeOps) -> None:
+    """The same decode step through ``PagedKVCache.attend`` with and without the kernel."""
+    torch.manual_seed(0)
+    caches = [
+        PagedKVCache(2, 64, 2, 16, torch.float32, torch.device("cpu"), n) for n in (ops, None)
+    ]
+    lens = [5, 12, 1]
+    slot_lists = [torch.randperm(64)[:n] for n in lens]
+    for c in caches:
+        c.k.copy_(torch.randn_like(c.k, generator=torch.Generator().manual_seed(1)))
+        c.v.copy_(torch.randn_like(c.v, generator=torch.Generator().manual_seed(2)))
+    spans = [SeqSpan([i], [n - 1], sl, False) for i, (n, sl) in enumerate(zip(lens, slot_lists))]
+    new_slots = torch.stack([sl[-1] for sl in slot_lists])
+    meta = AttnMeta.build(spans, new_slots)
+    q, k, v = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    with_kernel, without = (c.attend(1, q, k, v, meta) for c in caches)
+    torch.testing.assert_close(with_kernel, without, atol=1e-6, rtol=1e-5)
+    # The exit loop's subset of rows keeps the kernel path consistent too.
+    sub = meta.subset([0, 2])
+    torch.testing.assert_close(
+        caches[0].attend(1, q[[0, 2]], k[[0, 2]], v[[0, 2]], sub),
+        caches[1].attend(1, q[[0, 2]], k[[0, 2]], v[[0, 2]], sub),
+        atol=1e-6,
+        rtol=1e-5,
+    )
+
+
+def test_engine_switch(tiny_varied_dir: Path) -> None:
+    """``cpu_kernels`` selects the path; both give the same greedy tokens (the HF oracle in
+    test_engine_tiny runs both paths too)."""
+    from eeserve.sampling_params import SamplingParams
+
+    outs = []
+    for on in (True, False):
+        llm = make_llm(tiny_varied_dir, kv_cache_memory=16 * 2**20, cpu_kernels=on)
+        assert (llm.engine.runner.kv.native is not None) is on
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        outs.append(
+            [
+                o.outputs[0].token_ids
+                for o in llm.generate(["a b c", "hello"], params, use_tqdm=False)
+            ]
+        )
+    assert outs[0] == outs[1]
