@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from eeserve.native import NativeOps
 
@@ -30,15 +31,22 @@ class SeqSpan:
     fresh: bool  # rows are exactly positions 0..ctx_len-1 and nothing was cached before
 
 
+# Spans of at most this many query rows (decode steps, also with owed ``recompute`` positions) are
+# attended row by row over the paged context; longer ones (prefills) go through SDPA per span.
+ROWWISE_MAX_ROWS = 16
+
+
 @dataclass
 class AttnMeta:
     slot_mapping: torch.Tensor  # [N] where each row's K/V goes
     spans: list[SeqSpan]
-    # Decode fast path (every span has exactly one row, rows in span order): padded gather.
-    gather_slots: torch.Tensor | None = None  # [S, T]
-    context_lens: torch.Tensor | None = None  # [S] valid positions of each gather_slots row
-    # [S, 1, 1, T] additive mask, -inf where a shorter context is padded; None when no context
-    # is padded. Additive in the cache dtype because CPU SDPA is ~25% slower with a bool mask.
+    # Row-wise path (every span short and not fresh): row i attends to the slots
+    # row_slots[i, :row_lens[i]], i.e. its sequence's positions up to its own. Row-indexed, so
+    # a subset of rows is a plain index.
+    row_slots: torch.Tensor | None = None  # [N, T]
+    row_lens: torch.Tensor | None = None  # [N]
+    # [N, 1, 1, T] additive mask for the SDPA fallback, -inf past row_lens; None when no row is
+    # padded. Additive in the cache dtype because CPU SDPA is ~25% slower with a bool mask.
     key_bias: torch.Tensor | None = None
 
     @classmethod
@@ -46,41 +54,40 @@ class AttnMeta:
         cls, spans: list[SeqSpan], slot_mapping: torch.Tensor, dtype: torch.dtype = torch.float32
     ) -> AttnMeta:
         meta = cls(slot_mapping, spans)
-        if spans and all(len(s.rows) == 1 for s in spans):
-            lens = [len(s.context_slots) for s in spans]
-            t = max(lens)
-            dev = slot_mapping.device
-            gather = torch.zeros(len(spans), t, dtype=torch.long, device=dev)
-            for i, s in enumerate(spans):
-                gather[i, : lens[i]] = s.context_slots
-            meta.gather_slots = gather
-            meta.context_lens = torch.tensor(lens, dtype=torch.long, device=dev)
-            if min(lens) < t:
-                lens_t = torch.tensor(lens, device=dev)
-                padded = torch.arange(t, device=dev)[None, :] >= lens_t[:, None]
-                bias = torch.zeros(len(spans), t, dtype=dtype, device=dev)
-                meta.key_bias = bias.masked_fill_(padded, float("-inf"))[:, None, None, :]
+        if not spans or any(s.fresh or len(s.rows) > ROWWISE_MAX_ROWS for s in spans):
+            return meta
+        n = len(slot_mapping)
+        dev = slot_mapping.device
+        per_row: list[torch.Tensor] = [slot_mapping] * n
+        lens = [0] * n
+        for s in spans:
+            for r, p in zip(s.rows, s.q_positions):
+                per_row[r] = s.context_slots[: p + 1]
+                lens[r] = p + 1
+        meta.row_slots = pad_sequence(per_row, batch_first=True)  # [N, T], zero-padded
+        meta.row_lens = torch.tensor(lens, dtype=torch.long, device=dev)
+        t = meta.row_slots.shape[1]
+        if min(lens) < t:
+            padded = torch.arange(t, device=dev)[None, :] >= meta.row_lens[:, None]
+            bias = torch.zeros(n, t, dtype=dtype, device=dev)
+            meta.key_bias = bias.masked_fill_(padded, float("-inf"))[:, None, None, :]
         return meta
 
     def subset(self, keep_rows: list[int]) -> AttnMeta:
         """Metadata for the rows ``keep_rows`` (indices into the current row set), renumbered."""
         new_index = {r: i for i, r in enumerate(keep_rows)}
         spans: list[SeqSpan] = []
-        kept_seq: list[int] = []
-        for si, s in enumerate(self.spans):
+        for s in self.spans:
             pairs = [(new_index[r], p) for r, p in zip(s.rows, s.q_positions) if r in new_index]
             if pairs:
                 spans.append(
                     SeqSpan([r for r, _ in pairs], [p for _, p in pairs], s.context_slots, False)
                 )
-                kept_seq.append(si)
         idx = torch.tensor(keep_rows, dtype=torch.long, device=self.slot_mapping.device)
         meta = AttnMeta(self.slot_mapping[idx], spans)
-        if self.gather_slots is not None and keep_rows == sorted(keep_rows):
-            sel = torch.tensor(kept_seq, dtype=torch.long, device=idx.device)
-            meta.gather_slots = self.gather_slots[sel]
-            meta.context_lens = None if self.context_lens is None else self.context_lens[sel]
-            meta.key_bias = None if self.key_bias is None else self.key_bias[sel]
+        if self.row_slots is not None and self.row_lens is not None:
+            meta.row_slots, meta.row_lens = self.row_slots[idx], self.row_lens[idx]
+            meta.key_bias = None if self.key_bias is None else self.key_bias[idx]
         return meta
 
 
@@ -112,21 +119,20 @@ class PagedKVCache:
         """q: [N, H, hd]; k, v: [N, Hkv, hd] for the same rows. Returns [N, H*hd]."""
         self.write(layer, meta.slot_mapping, k, v)
         n, heads, hd = q.shape
-        if self.native is not None and meta.context_lens is not None:
-            assert meta.gather_slots is not None
-            o = self.native.decode_attention(
-                q, self.k[layer], self.v[layer], meta.gather_slots, meta.context_lens, self.scale
-            )  # [S, H, hd]
-            return o.view(n, heads * hd)
-        if meta.gather_slots is not None:
+        if meta.row_slots is not None and meta.row_lens is not None:
+            if self.native is not None:
+                o = self.native.decode_attention(
+                    q, self.k[layer], self.v[layer], meta.row_slots, meta.row_lens, self.scale
+                )  # [N, H, hd]
+                return o.view(n, heads * hd)
             # index_select on the flat slot axis: ~4x faster on CPU than advanced indexing.
-            flat = meta.gather_slots.view(-1)
-            shape = (*meta.gather_slots.shape, *self.k.shape[2:])  # [S, T, Hkv, hd]
-            kc = self.k[layer].index_select(0, flat).view(shape).transpose(1, 2)  # [S, Hkv, T, hd]
+            flat = meta.row_slots.view(-1)
+            shape = (*meta.row_slots.shape, *self.k.shape[2:])  # [N, T, Hkv, hd]
+            kc = self.k[layer].index_select(0, flat).view(shape).transpose(1, 2)  # [N, Hkv, T, hd]
             vc = self.v[layer].index_select(0, flat).view(shape).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q.unsqueeze(2), kc, vc, attn_mask=meta.key_bias, enable_gqa=True
-            )  # [S, H, 1, hd]
+            )  # [N, H, 1, hd]
             return o.reshape(n, heads * hd)
         out = torch.empty(n, heads * hd, dtype=q.dtype, device=q.device)
         for s in meta.spans:

@@ -103,31 +103,37 @@ def test_decode_attention_reads_the_pool_in_place(
     close(out, _reference_decode(q, k_pool, v_pool, slots, lens), dtype)
 
 
-def test_paged_cache_uses_the_kernel_and_matches_sdpa(ops: NativeOps) -> None:
-    """The same decode step through ``PagedKVCache.attend`` with and without the kernel."""
+def test_paged_cache_rowwise_paths_match_per_span_attention(ops: NativeOps) -> None:
+    """One decode-shaped step, one sequence also carrying owed positions (``recompute``): the
+    kernel, the gathered-SDPA fallback and plain per-span attention give the same output, also
+    for the exit loop's subset of rows."""
     torch.manual_seed(0)
     caches = [
-        PagedKVCache(2, 64, 2, 16, torch.float32, torch.device("cpu"), n) for n in (ops, None)
+        PagedKVCache(2, 64, 2, 16, torch.float32, torch.device("cpu"), n) for n in (ops, None, None)
     ]
-    lens = [5, 12, 1]
-    slot_lists = [torch.randperm(64)[:n] for n in lens]
     for c in caches:
-        c.k.copy_(torch.randn_like(c.k, generator=torch.Generator().manual_seed(1)))
-        c.v.copy_(torch.randn_like(c.v, generator=torch.Generator().manual_seed(2)))
-    spans = [SeqSpan([i], [n - 1], sl, False) for i, (n, sl) in enumerate(zip(lens, slot_lists))]
-    new_slots = torch.stack([sl[-1] for sl in slot_lists])
-    meta = AttnMeta.build(spans, new_slots)
-    q, k, v = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
-    with_kernel, without = (c.attend(1, q, k, v, meta) for c in caches)
-    torch.testing.assert_close(with_kernel, without, atol=1e-6, rtol=1e-5)
-    # The exit loop's subset of rows keeps the kernel path consistent too.
-    sub = meta.subset([0, 2])
-    torch.testing.assert_close(
-        caches[0].attend(1, q[[0, 2]], k[[0, 2]], v[[0, 2]], sub),
-        caches[1].attend(1, q[[0, 2]], k[[0, 2]], v[[0, 2]], sub),
-        atol=1e-6,
-        rtol=1e-5,
-    )
+        c.k.copy_(torch.randn(c.k.shape, generator=torch.Generator().manual_seed(1)))
+        c.v.copy_(torch.randn(c.v.shape, generator=torch.Generator().manual_seed(2)))
+    ctx = [torch.randperm(64)[:n] for n in (5, 12, 1)]
+    spans = [
+        SeqSpan([0], [4], ctx[0], False),
+        SeqSpan([1, 2, 3], [7, 9, 11], ctx[1], False),  # owed positions 7 and 9, then 11
+        SeqSpan([4], [0], ctx[2], False),
+    ]
+    new_slots = torch.stack([ctx[0][4], ctx[1][7], ctx[1][9], ctx[1][11], ctx[2][0]])
+    rowwise = AttnMeta.build(spans, new_slots)
+    per_span = AttnMeta(new_slots, spans)
+    assert rowwise.row_slots is not None and per_span.row_slots is None
+    q, k, v = torch.randn(5, 4, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    metas = (rowwise, rowwise, per_span)
+    outs = [c.attend(1, q, k, v, m) for c, m in zip(caches, metas)]
+    torch.testing.assert_close(outs[0], outs[2], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(outs[1], outs[2], atol=1e-6, rtol=1e-5)
+    keep = [3, 0, 2]  # rows in any order, a sequence losing one of its rows
+    subs = (rowwise.subset(keep), rowwise.subset(keep), per_span.subset(keep))
+    outs = [c.attend(1, q[keep], k[keep], v[keep], m) for c, m in zip(caches, subs)]
+    torch.testing.assert_close(outs[0], outs[2], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(outs[1], outs[2], atol=1e-6, rtol=1e-5)
 
 
 def test_engine_switch(tiny_varied_dir: Path) -> None:
