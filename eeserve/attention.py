@@ -32,19 +32,21 @@ class SeqSpan:
 
 
 # Spans of at most this many query rows (decode steps, also with owed ``recompute`` positions) are
-# attended row by row over the paged context; longer ones (prefills) go through SDPA per span.
-ROWWISE_MAX_ROWS = 16
+# attended row by row over the paged context; longer or fresh ones (prefills) through SDPA per
+# span, where a chunk's queries share one matmul.
+ROWWISE_MAX_ROWS = 64
 
 
 @dataclass
 class AttnMeta:
     slot_mapping: torch.Tensor  # [N] where each row's K/V goes
     spans: list[SeqSpan]
-    # Row-wise path (every span short and not fresh): row i attends to the slots
-    # row_slots[i, :row_lens[i]], i.e. its sequence's positions up to its own. Row-indexed, so
-    # a subset of rows is a plain index.
+    # Row-wise path for the rows of short spans: row i attends to the slots
+    # row_slots[i, :row_lens[i]], i.e. its sequence's positions up to its own. Row-indexed, so a
+    # subset of rows is a plain index; rows of other spans have length 0 and rowwise False.
     row_slots: torch.Tensor | None = None  # [N, T]
     row_lens: torch.Tensor | None = None  # [N]
+    rowwise: list[bool] | None = None  # [N]
     # [N, 1, 1, T] additive mask for the SDPA fallback, -inf past row_lens; None when no row is
     # padded. Additive in the cache dtype because CPU SDPA is ~25% slower with a bool mask.
     key_bias: torch.Tensor | None = None
@@ -54,18 +56,21 @@ class AttnMeta:
         cls, spans: list[SeqSpan], slot_mapping: torch.Tensor, dtype: torch.dtype = torch.float32
     ) -> AttnMeta:
         meta = cls(slot_mapping, spans)
-        if not spans or any(s.fresh or len(s.rows) > ROWWISE_MAX_ROWS for s in spans):
+        short = [not s.fresh and len(s.rows) <= ROWWISE_MAX_ROWS for s in spans]
+        if not any(short):
             return meta
         n = len(slot_mapping)
         dev = slot_mapping.device
-        per_row: list[torch.Tensor] = [slot_mapping] * n
+        per_row: list[torch.Tensor] = [slot_mapping[:0]] * n
         lens = [0] * n
-        for s in spans:
+        rowwise = [False] * n
+        for s, is_short in zip(spans, short):
             for r, p in zip(s.rows, s.q_positions):
-                per_row[r] = s.context_slots[: p + 1]
-                lens[r] = p + 1
+                if is_short:
+                    per_row[r], lens[r], rowwise[r] = s.context_slots[: p + 1], p + 1, True
         meta.row_slots = pad_sequence(per_row, batch_first=True)  # [N, T], zero-padded
         meta.row_lens = torch.tensor(lens, dtype=torch.long, device=dev)
+        meta.rowwise = rowwise
         t = meta.row_slots.shape[1]
         if min(lens) < t:
             padded = torch.arange(t, device=dev)[None, :] >= meta.row_lens[:, None]
@@ -85,8 +90,9 @@ class AttnMeta:
                 )
         idx = torch.tensor(keep_rows, dtype=torch.long, device=self.slot_mapping.device)
         meta = AttnMeta(self.slot_mapping[idx], spans)
-        if self.row_slots is not None and self.row_lens is not None:
+        if self.row_slots is not None and self.row_lens is not None and self.rowwise is not None:
             meta.row_slots, meta.row_lens = self.row_slots[idx], self.row_lens[idx]
+            meta.rowwise = [self.rowwise[r] for r in keep_rows]
             meta.key_bias = None if self.key_bias is None else self.key_bias[idx]
         return meta
 
@@ -119,25 +125,39 @@ class PagedKVCache:
         """q: [N, H, hd]; k, v: [N, Hkv, hd] for the same rows. Returns [N, H*hd]."""
         self.write(layer, meta.slot_mapping, k, v)
         n, heads, hd = q.shape
-        if meta.row_slots is not None and meta.row_lens is not None:
-            if self.native is not None:
-                o = self.native.decode_attention(
-                    q, self.k[layer], self.v[layer], meta.row_slots, meta.row_lens, self.scale
-                )  # [N, H, hd]
-                return o.view(n, heads * hd)
-            # index_select on the flat slot axis: ~4x faster on CPU than advanced indexing.
-            flat = meta.row_slots.view(-1)
-            shape = (*meta.row_slots.shape, *self.k.shape[2:])  # [N, T, Hkv, hd]
-            kc = self.k[layer].index_select(0, flat).view(shape).transpose(1, 2)  # [N, Hkv, T, hd]
-            vc = self.v[layer].index_select(0, flat).view(shape).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2), kc, vc, attn_mask=meta.key_bias, enable_gqa=True
-            )  # [N, H, 1, hd]
-            return o.reshape(n, heads * hd)
+        rowwise = meta.rowwise or []
+        if rowwise and all(rowwise):
+            return self._attend_rows(layer, q, meta, None).view(n, heads * hd)
         out = torch.empty(n, heads * hd, dtype=q.dtype, device=q.device)
+        if any(rowwise):
+            idx = torch.tensor([r for r, w in enumerate(rowwise) if w], device=q.device)
+            out[idx] = self._attend_rows(layer, q[idx], meta, idx).view(len(idx), heads * hd)
         for s in meta.spans:
-            out[s.rows] = self._attend_span(layer, q, k, v, s)
+            if not rowwise or not rowwise[s.rows[0]]:
+                out[s.rows] = self._attend_span(layer, q, k, v, s)
         return out
+
+    def _attend_rows(
+        self, layer: int, q: torch.Tensor, meta: AttnMeta, idx: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q [R, H, hd] of the row-wise rows ``idx`` (None: all rows) -> [R, H, hd]."""
+        assert meta.row_slots is not None and meta.row_lens is not None
+        slots, lens, bias = meta.row_slots, meta.row_lens, meta.key_bias
+        if idx is not None:
+            slots, lens = slots[idx], lens[idx]
+            bias = None if bias is None else bias[idx]
+        if self.native is not None:
+            return self.native.decode_attention(
+                q, self.k[layer], self.v[layer], slots, lens, self.scale
+            )
+        # index_select on the flat slot axis: ~4x faster on CPU than advanced indexing.
+        shape = (*slots.shape, *self.k.shape[2:])  # [R, T, Hkv, hd]
+        kc = self.k[layer].index_select(0, slots.view(-1)).view(shape).transpose(1, 2)
+        vc = self.v[layer].index_select(0, slots.view(-1)).view(shape).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kc, vc, attn_mask=bias, enable_gqa=True
+        )  # [R, H, 1, hd]
+        return o.squeeze(2)
 
     def _attend_span(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: SeqSpan

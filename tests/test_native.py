@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from eeserve import attention
 from eeserve.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.models.llama import Rotary, apply_rotary, silu_and_mul
 from eeserve.native import NativeOps, load
@@ -103,10 +104,15 @@ def test_decode_attention_reads_the_pool_in_place(
     close(out, _reference_decode(q, k_pool, v_pool, slots, lens), dtype)
 
 
-def test_paged_cache_rowwise_paths_match_per_span_attention(ops: NativeOps) -> None:
+@pytest.mark.parametrize("max_rows", [64, 2])
+def test_paged_cache_rowwise_paths_match_per_span_attention(
+    ops: NativeOps, max_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One decode-shaped step, one sequence also carrying owed positions (``recompute``): the
     kernel, the gathered-SDPA fallback and plain per-span attention give the same output, also
-    for the exit loop's subset of rows."""
+    for the exit loop's subset of rows. With ``max_rows`` 2 the 3-row span goes per span while
+    the others go row by row, in the same step."""
+    monkeypatch.setattr(attention, "ROWWISE_MAX_ROWS", max_rows)
     torch.manual_seed(0)
     caches = [
         PagedKVCache(2, 64, 2, 16, torch.float32, torch.device("cpu"), n) for n in (ops, None, None)
@@ -123,7 +129,8 @@ def test_paged_cache_rowwise_paths_match_per_span_attention(ops: NativeOps) -> N
     new_slots = torch.stack([ctx[0][4], ctx[1][7], ctx[1][9], ctx[1][11], ctx[2][0]])
     rowwise = AttnMeta.build(spans, new_slots)
     per_span = AttnMeta(new_slots, spans)
-    assert rowwise.row_slots is not None and per_span.row_slots is None
+    assert rowwise.rowwise == [True, *([max_rows >= 3] * 3), True]
+    assert per_span.row_slots is None
     q, k, v = torch.randn(5, 4, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16)
     metas = (rowwise, rowwise, per_span)
     outs = [c.attend(1, q, k, v, m) for c, m in zip(caches, metas)]
