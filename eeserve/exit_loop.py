@@ -166,9 +166,7 @@ class ExitLoop:
                     self._leave(st, b, j, leave, seq_of_row)
                     if st.active:
                         rot, meta = self._reindex(st, rot0, meta0)
-        self._finish(st, b, seq_of_row, num_layers)
-        assert all(x is not None for x in st.out_logits), "a sequence produced no logits"
-        logits = torch.stack(st.out_logits)  # type: ignore[arg-type]
+        logits = self._finish(st, b, seq_of_row)
         return ExitResult(logits, st.exit_layer, st.conf, st.layers_run, st.debts)
 
     @staticmethod
@@ -250,7 +248,9 @@ class ExitLoop:
                 s = seq_of_row[r]
                 st.debts[s][b.last_positions[s]] = (j, hr)
 
-    def _finish(self, st: _State, b: ExitBatch, seq_of_row: dict[int, int], full: int) -> None:
+    def _finish(self, st: _State, b: ExitBatch, seq_of_row: dict[int, int]) -> torch.Tensor:
+        """The step's one LM-head pass (full-depth rows and rows that left without logits);
+        returns every sequence's logits [S, V] in sequence order."""
         for r in st.active:  # rows that ran every layer: nothing owed any more
             if r in b.passengers:
                 p = b.passengers[r]
@@ -258,16 +258,27 @@ class ExitLoop:
         pos = [i for i, r in enumerate(st.active) if r in seq_of_row]
         owners = [seq_of_row[st.active[i]] for i in pos] + list(st.pending)
         if not owners:
-            return
+            return torch.stack(st.out_logits)  # type: ignore[arg-type]
         parts: list[torch.Tensor] = []  # LM-head inputs, in ``owners`` order
         if pos:
-            idx = torch.tensor(pos, dtype=torch.long, device=st.h.device)
-            parts.append(self.model.final_norm(st.h[idx]))  # [P, D]
+            all_rows = len(pos) == len(st.active)
+            h = st.h if all_rows else st.h[torch.tensor(pos, device=st.h.device)]
+            parts.append(self.model.final_norm(h))  # [P, D]
         if st.pending:
             parts.append(torch.stack(list(st.pending.values())))  # [E, D]
-        logits = self.lm_head(torch.cat(parts)).float()
+        logits = self.lm_head(parts[0] if len(parts) == 1 else torch.cat(parts)).float()
+        if len(owners) == len(st.out_logits):  # no logits came from a check: reorder, no copies
+            if owners == sorted(owners):
+                return logits  # type: ignore[no-any-return]
+            order = torch.empty(len(owners), dtype=torch.long, device=logits.device)
+            order[torch.tensor(owners, device=logits.device)] = torch.arange(
+                len(owners), device=logits.device
+            )
+            return logits[order]  # type: ignore[no-any-return]
         for k, s in enumerate(owners):
             st.out_logits[s] = logits[k]
+        assert all(x is not None for x in st.out_logits), "a sequence produced no logits"
+        return torch.stack(st.out_logits)  # type: ignore[arg-type]
 
     def _check(
         self,
@@ -291,16 +302,16 @@ class ExitLoop:
             return leave
         seqs = [seq_of_row[st.active[i]] for i in checked]
         plans: list[ExitPlan] = [b.plans[s] for s in seqs]  # type: ignore[misc]
-        idx = torch.tensor(checked, dtype=torch.long, device=h.device)
-        hc, hp = h[idx], h_prev[idx]
+        hc, hp = _rows(h, checked), _rows(h_prev, checked)
         c = [0.0] * len(checked)
         logits: torch.Tensor | None = None
         for measure in {p.measure for p in plans}:
             rows = [k for k, p in enumerate(plans) if p.measure == measure]
-            sel = torch.tensor(rows, dtype=torch.long, device=hc.device)
-            lg = self.head_logits(j, hc[sel]) if measure in LOGIT_MEASURES else None
-            probe = self.heads.probe(j, hc[sel]) if measure == "classifier" and self.heads else None
-            for k, v in zip(rows, confidence(measure, lg, hc[sel], hp[sel], probe).tolist()):
+            hm = _rows(hc, rows)
+            lg = self.head_logits(j, hm) if measure in LOGIT_MEASURES else None
+            probe = self.heads.probe(j, hm) if measure == "classifier" and self.heads else None
+            hp_m = _rows(hp, rows) if measure == "hidden_cosine" else hp
+            for k, v in zip(rows, confidence(measure, lg, hm, hp_m, probe).tolist()):
                 c[k] = v
             if lg is not None and len(rows) == len(checked):
                 logits = lg  # in ``checked`` order: reusable for the tokens
@@ -323,3 +334,10 @@ class ExitLoop:
             st.conf[seqs[k]] = float(c[k])
             leave.add(checked[k])
         return leave
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] without a copy when ``rows`` is every row in order (the common case: all checked)."""
+    if len(rows) == x.shape[0] and rows == list(range(len(rows))):
+        return x
+    return x[torch.tensor(rows, dtype=torch.long, device=x.device)]
