@@ -48,7 +48,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from eeserve.bench import add_bench_parser
 
     add_bench_parser(sub)
-    from eeserve.tuning import add_tune_parser
+    from eeserve.tuning_cli import add_tune_parser
 
     add_tune_parser(sub)
     from eeserve.calibrate_cmd import add_calibrate_parser

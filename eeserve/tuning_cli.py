@@ -1,0 +1,75 @@
+"""``eeserve tune-exits``: the command line of exit-head tuning (``tuning.tune``).
+
+Contract: ``add_tune_parser`` registers the subcommand; every ``TuneOptions`` knob in ``_KNOBS``
+becomes a flag with the dataclass default, so the command line and the Python API cannot drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from eeserve.models.exit_heads import ADAPTERS
+from eeserve.tuning import DEFAULT_ADAPTER, TuneOptions, tune
+
+_KNOBS = {  # TuneOptions fields set from the command line, with their help
+    "tokens": "self-generated tuning tokens (heads and probes)",
+    "heldout_tokens": "self-generated held-out tokens for the report",
+    "steps": "optimizer steps per head (default: --epochs passes over the data)",
+    "epochs": "passes over the data",
+    "rank": "lowrank / mlp width",
+    "lr": "peak learning rate (AdamW, warm-up then cosine)",
+    "layer_lr": "peak learning rate of --adapter layer heads (a pretrained MLP)",
+    "weight_decay": "AdamW weight decay",
+    "batch_size": "rows per step",
+    "seed": "seed of sampling, shuffling and negatives",
+    "max_tokens": "tokens per generated continuation",
+    "target_agreement": "agreement among exiting tokens that the thresholds keep",
+    "threads": "torch threads",
+}
+
+
+def add_tune_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "tune-exits",
+        help="train tuned exit heads and classifier probes on a frozen model",
+        description="Distil per-layer exit heads (own norm + adapter, or with --adapter layer a "
+        "copy of layer l+1's MLP after its shared attention; frozen LM head) from the final "
+        "layer, train classifier probes, evaluate on held-out generated text and write the exit "
+        "sidecar and a report (tune_report.json/.md) to --out.",
+    )
+    p.add_argument("model", help="smollm2, an HF folder or a .gguf file")
+    p.add_argument("--exit-layers", required=True, help="comma-separated, e.g. 6,10,14,18,22,26")
+    p.add_argument("--out", required=True, type=Path, help="folder for the sidecar and report")
+    p.add_argument(
+        "--data",
+        nargs="+",
+        type=Path,
+        default=[],
+        help=".txt/.jsonl training text "
+        "(default: the model's own continuations of the offline 'tune' prompts)",
+    )
+    p.add_argument("--adapter", default=DEFAULT_ADAPTER, choices=ADAPTERS)
+    defaults = TuneOptions("", [], Path())
+    for name, text in _KNOBS.items():
+        value = getattr(defaults, name)
+        kind = float if isinstance(value, float) else int
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value, help=text)
+    p.add_argument("--cache-dir", type=Path, default=None, help="checkpoints (resumable)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    layers = [int(x) for x in str(args.exit_layers).split(",") if x.strip()]
+    opts = TuneOptions(
+        model=args.model,
+        exit_layers=layers,
+        out=args.out,
+        data=list(args.data),
+        adapter=args.adapter,
+        cache_dir=args.cache_dir,
+        **{name: getattr(args, name) for name in _KNOBS},
+    )
+    tune(opts)
+    return 0
