@@ -64,10 +64,9 @@ class AttnMeta:
         per_row: list[torch.Tensor] = [slot_mapping[:0]] * n
         lens = [0] * n
         rowwise = [False] * n
-        for s, is_short in zip(spans, short):
+        for s in (s for s, is_short in zip(spans, short) if is_short):
             for r, p in zip(s.rows, s.q_positions):
-                if is_short:
-                    per_row[r], lens[r], rowwise[r] = s.context_slots[: p + 1], p + 1, True
+                per_row[r], lens[r], rowwise[r] = s.context_slots[: p + 1], p + 1, True
         meta.row_slots = pad_sequence(per_row, batch_first=True)  # [N, T], zero-padded
         meta.row_lens = torch.tensor(lens, dtype=torch.long, device=dev)
         meta.rowwise = rowwise

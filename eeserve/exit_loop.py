@@ -261,20 +261,13 @@ class ExitLoop:
             return torch.stack(st.out_logits)  # type: ignore[arg-type]
         parts: list[torch.Tensor] = []  # LM-head inputs, in ``owners`` order
         if pos:
-            all_rows = len(pos) == len(st.active)
-            h = st.h if all_rows else st.h[torch.tensor(pos, device=st.h.device)]
-            parts.append(self.model.final_norm(h))  # [P, D]
+            parts.append(self.model.final_norm(_rows(st.h, pos)))  # [P, D]
         if st.pending:
             parts.append(torch.stack(list(st.pending.values())))  # [E, D]
         logits = self.lm_head(parts[0] if len(parts) == 1 else torch.cat(parts)).float()
-        if len(owners) == len(st.out_logits):  # no logits came from a check: reorder, no copies
-            if owners == sorted(owners):
-                return logits  # type: ignore[no-any-return]
-            order = torch.empty(len(owners), dtype=torch.long, device=logits.device)
-            order[torch.tensor(owners, device=logits.device)] = torch.arange(
-                len(owners), device=logits.device
-            )
-            return logits[order]  # type: ignore[no-any-return]
+        if len(owners) == len(st.out_logits):  # no logits came from a check: at most a reorder
+            where = {s: k for k, s in enumerate(owners)}
+            return _rows(logits, [where[s] for s in range(len(owners))])
         for k, s in enumerate(owners):
             st.out_logits[s] = logits[k]
         assert all(x is not None for x in st.out_logits), "a sequence produced no logits"

@@ -45,8 +45,8 @@ class NativeOps:
         lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """q [S, H, D] (one query per sequence); k/v_cache [slots, Hkv, D]; slots [S, T] int64
-        (row s valid up to lens[s]) -> [S, H, D]."""
+        """q [R, H, D] (one query per row, heads contiguous); k/v_cache [slots, Hkv, D]; slots
+        [R, T] int64, the context of row r being slots[r, :lens[r]] (lens >= 1) -> [R, H, D]."""
         return self.ops.decode_attention(q, k_cache, v_cache, slots, lens, scale)  # type: ignore[no-any-return]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -104,6 +104,20 @@ def _row_exit_params() -> list[ExitParams]:
     ]
 
 
+def test_rows_leaving_without_logits_get_their_own_token_in_a_mixed_batch(llm: LLM) -> None:
+    """``hidden_cosine`` exits carry no logits: the leaving row is projected in the step's one
+    LM-head pass after the full-depth rows, and its token must still be its own (same as alone)."""
+    leaves = ExitParams(threshold=-2.0, measure="hidden_cosine", exit_layers=[2])
+    stays = ExitParams(enabled=False)
+    params = [leaves, stays, leaves]
+    batched = _gen(llm, PROMPTS, params)
+    alone = [_gen(llm, [p], [e])[0] for p, e in zip(PROMPTS, params)]
+    for b, a in zip(batched, alone):
+        assert b.token_ids == a.token_ids
+        assert b.exit_layers == a.exit_layers
+    assert set(batched[0].exit_layers[1:]) == {2} and set(batched[1].exit_layers) == {L}
+
+
 def test_per_sequence_rows_leave_at_their_own_first_confident_exit(llm: LLM) -> None:
     outs = _gen(llm, PROMPTS, _row_exit_params())
     for c, layer in zip(outs, [1, 2, 3]):

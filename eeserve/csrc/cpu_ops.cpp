@@ -29,9 +29,10 @@ template <typename T>
 inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
 
 // ---- paged decode attention -----------------------------------------------------------------
-// q [S, H, D] (heads contiguous, rows may be strided); k_cache, v_cache [slots, Hkv, D]; slots [S, T] (slot of each context position);
-// lens [S] (valid positions of each row of ``slots``). Returns [S, H, D]. One query per sequence.
-// A task is one sequence and a range of its K/V heads; a key row is read once for all the query
+// q [R, H, D] (heads contiguous, rows may be strided); k_cache, v_cache [slots, Hkv, D];
+// slots [R, T]: row r attends to the positions at slots[r, :lens[r]] (its sequence up to its own
+// position; lens >= 1). Returns [R, H, D]. One query per row: decode steps, owed positions.
+// A task is one row and a range of its K/V heads; a key row is read once for all the query
 // heads that share it (GQA), and K/V are read in place: no gathered copy of the context.
 
 // DC: the head size when known at compile time (the loops unroll into vector code), 0 for any.
@@ -74,7 +75,7 @@ void decode_attention_kernel(const T* q, int64_t q_stride, const T* kc, const T*
                              const int64_t* slots, const int64_t* lens, T* out, int64_t S,
                              int64_t H, int64_t Hkv, int64_t D, int64_t Tmax, float scale) {
   const int64_t G = H / Hkv;  // query heads per K/V head (GQA)
-  // Few sequences: split each one's heads across threads so that batch 1 uses every core.
+  // Few rows: split each one's heads across threads so that batch 1 uses every core.
   const int64_t per_task = S >= 2 * at::get_num_threads() ? Hkv : 1;
   const int64_t tasks_per_seq = Hkv / per_task;
   at::parallel_for(0, S * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
@@ -137,7 +138,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
               "q and the K/V pool must share a dtype");
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0, "head shapes do not match");
-  TORCH_CHECK(slots.size(0) == S && lens.size(0) == S, "one slot row and length per sequence");
+  TORCH_CHECK(slots.size(0) == S && lens.size(0) == S, "one slot row and length per query row");
   auto sl = slots.contiguous();
   auto ln = lens.contiguous();
   auto out = at::empty({S, H, D}, q.options());
