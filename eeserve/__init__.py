@@ -1,7 +1,7 @@
 """eeserve: an inference and serving engine for early-exit LLMs."""
 
 from eeserve.config import EngineConfig
-from eeserve.exits import ExitParams
+from eeserve.exit_params import ExitParams
 from eeserve.llm import LLM
 from eeserve.outputs import CompletionOutput, ExitStats, RequestOutput
 from eeserve.sampling_params import SamplingParams

@@ -1,7 +1,7 @@
 """Command line: ``eeserve fetch | generate | bench | serve``.
 
 Contract: argument parsing and printing only; all work is done by the engine, the loader, the
-benchmark module and the server package.
+benchmark, tuning and server packages, whose subcommands are registered here.
 """
 
 from __future__ import annotations
@@ -12,7 +12,16 @@ import sys
 import time
 from typing import Any
 
+from eeserve.bench.cli import add_bench_parser
+from eeserve.engine.llm_engine import LLMEngine
 from eeserve.engine_args import add_engine_args, engine_config
+from eeserve.exit_params import ExitParams
+from eeserve.llm import chat_token_ids
+from eeserve.models.loader import fetch_default_model
+from eeserve.sampling_params import SamplingParams
+from eeserve.server import add_serve_parser
+from eeserve.tuning.calibrate_cmd import add_calibrate_parser
+from eeserve.tuning.cli import add_tune_parser
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -45,21 +54,10 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-exit", action="store_true", help="full depth")
     g.add_argument("--show-exits", action="store_true", help="annotate tokens with exit layers")
 
-    from eeserve.bench import add_bench_parser
-
     add_bench_parser(sub)
-    from eeserve.tuning_cli import add_tune_parser
-
     add_tune_parser(sub)
-    from eeserve.calibrate_cmd import add_calibrate_parser
-
     add_calibrate_parser(sub)
-    try:
-        from eeserve.server import add_serve_parser
-    except ImportError:  # the server's dependencies are optional for offline use
-        pass
-    else:
-        add_serve_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 
@@ -75,8 +73,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "fetch":
-        from eeserve.loader import fetch_default_model
-
         print(fetch_default_model())
         return 0
     if args.command == "generate":
@@ -85,11 +81,6 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from eeserve.engine import LLMEngine
-    from eeserve.exits import ExitParams
-    from eeserve.llm import chat_token_ids
-    from eeserve.sampling_params import SamplingParams
-
     engine = LLMEngine(engine_config(args))
     params = SamplingParams(
         max_tokens=args.max_tokens,

@@ -3,12 +3,16 @@
 Contract: ``EngineConfig`` holds every engine-level option (model, dtype, device, KV budget,
 batching limits, prefix caching, early-exit policy and KV-debt strategy, CPU kernels). Invalid
 values raise ``ValueError`` naming the field. ``resolved_device``/``resolved_dtype`` turn "auto"
-into real values: float32 on CPU, bfloat16 on CUDA.
+into real values: float32 on CPU, bfloat16 on CUDA. ``eeserve_home()`` is where the engine keeps
+what it makes once per machine (converted models, built kernels): ``$EESERVE_HOME``, default
+``~/.cache/eeserve``.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -79,3 +83,7 @@ def _mem_available() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def eeserve_home() -> Path:
+    return Path(os.environ.get("EESERVE_HOME", Path.home() / ".cache" / "eeserve"))

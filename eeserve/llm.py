@@ -13,8 +13,8 @@ from typing import Any
 from tqdm import tqdm
 
 from eeserve.config import EngineConfig
-from eeserve.engine import LLMEngine
-from eeserve.exits import ExitParams
+from eeserve.engine.llm_engine import LLMEngine
+from eeserve.exit_params import ExitParams
 from eeserve.outputs import RequestOutput
 from eeserve.sampling_params import SamplingParams
 

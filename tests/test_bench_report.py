@@ -104,8 +104,8 @@ def test_plots_are_png_files(report: tuple[Path, dict[str, Any]]) -> None:
 def test_time_budget_stops_further_repeats() -> None:
     import time
 
-    from eeserve.bench import Run
-    from eeserve.bench_report_run import Block, run_blocks
+    from eeserve.bench.measure import Run
+    from eeserve.bench.report_run import Block, run_blocks
 
     class Bar:
         def set_postfix_str(self, s: str, refresh: bool = True) -> None:
@@ -126,7 +126,7 @@ def test_time_budget_stops_further_repeats() -> None:
 
 
 def test_quick_and_full_defaults() -> None:
-    from eeserve.bench_report import config_from_args
+    from eeserve.bench.report_config import config_from_args
     from eeserve.cli import _build_parser
 
     quick = config_from_args(_build_parser().parse_args(["bench", "report", "--quick"]))
@@ -138,9 +138,9 @@ def test_quick_and_full_defaults() -> None:
 
 
 def test_default_and_calibrated_thresholds_join_the_frontier() -> None:
-    from eeserve.bench_report import ReportConfig
-    from eeserve.bench_report_run import frontier_settings, operating_point
-    from eeserve.exits import ExitConfig
+    from eeserve.bench.report_config import ReportConfig
+    from eeserve.bench.report_run import frontier_settings, operating_point
+    from eeserve.models.exit_config import ExitConfig
 
     xc = ExitConfig(
         num_layers=30,

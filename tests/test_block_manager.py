@@ -12,9 +12,9 @@ from collections import Counter
 
 import pytest
 
-from eeserve.block_manager import BlockManager
+from eeserve.engine.block_manager import BlockManager
+from eeserve.engine.sequence import Sequence
 from eeserve.sampling_params import SamplingParams
-from eeserve.sequence import Sequence
 
 L = 4  # layers of the imaginary model: full depth
 

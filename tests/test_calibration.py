@@ -15,8 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from eeserve.calibrate_cmd import target_folder, with_calibration
-from eeserve.calibration import (
+from eeserve.cli import main as cli_main
+from eeserve.engine.exits import calibrated_threshold, resolve_exit_plan
+from eeserve.exit_params import ExitParams
+from eeserve.models.exit_config import ExitConfig
+from eeserve.models.exit_heads import load_sidecar
+from eeserve.sampling_params import SamplingParams
+from eeserve.tuning import calibrate_cmd
+from eeserve.tuning.calibrate_cmd import target_folder, with_calibration
+from eeserve.tuning.calibration import (
     bentkus_pvalue,
     binom_cdf,
     check_candidate,
@@ -25,10 +32,6 @@ from eeserve.calibration import (
     hoeffding_pvalue,
     learn_then_test,
 )
-from eeserve.cli import main as cli_main
-from eeserve.exits import ExitConfig, ExitParams, calibrated_threshold, resolve_exit_plan
-from eeserve.models.exit_heads import load_sidecar
-from eeserve.sampling_params import SamplingParams
 from tests.tiny_model import make_llm
 
 # -- p-values ----------------------------------------------------------------------------------
@@ -184,9 +187,7 @@ def test_with_calibration_replaces_the_same_entry_and_sets_the_default() -> None
 
 
 def test_default_model_needs_its_packaged_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:
-    import eeserve.loader
-
-    monkeypatch.setattr(eeserve.loader, "packaged_sidecar", lambda spec: None)
+    monkeypatch.setattr(calibrate_cmd, "packaged_sidecar", lambda spec: None)
     with pytest.raises(ValueError, match="--out-config"):
         target_folder("smollm2", None)
     assert target_folder("smollm2", "/some/dir") == Path("/some/dir")

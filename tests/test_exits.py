@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eeserve import LLM, SamplingParams
-from eeserve.exits import ExitParams
+from eeserve.exit_params import ExitParams
 from eeserve.models.config import rope_tables
 from eeserve.models.llama import apply_rotary
 from tests.tiny_model import assert_cache_matches_hf, step_until_debt
@@ -294,7 +294,8 @@ def test_recompute_with_batch_and_preemption(tiny_varied_dir: Path) -> None:
 
 
 def test_calibration_applies_only_to_its_policy() -> None:
-    from eeserve.exits import ExitConfig, resolve_exit_plan
+    from eeserve.engine.exits import resolve_exit_plan
+    from eeserve.models.exit_config import ExitConfig
 
     cfg = ExitConfig(
         num_layers=L,

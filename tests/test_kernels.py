@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from eeserve.kernels import PackedLinear, can_pack, pack_linears
+from eeserve.kernels.packing import PackedLinear, can_pack, pack_linears
 
 
 @pytest.mark.skipif(

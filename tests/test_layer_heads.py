@@ -13,13 +13,13 @@ import torch.nn.functional as F
 
 from eeserve import ExitParams, SamplingParams
 from eeserve.cli import _build_parser
-from eeserve.exits import ExitConfig
-from eeserve.loader import load_model
 from eeserve.models.config import ModelConfig, rope_tables
+from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import ExitHeads, load_exit_setup, load_sidecar, save_sidecar
 from eeserve.models.llama import apply_rotary
-from eeserve.tuning import TuneOptions, init_heads, tune, tune_layers
-from eeserve.tuning_data import Group, collect
+from eeserve.models.loader import load_model
+from eeserve.tuning.data import Group, collect
+from eeserve.tuning.heads import TuneOptions, init_heads, tune, tune_layers
 from tests.tiny_model import (
     assert_cache_matches_hf,
     base_weight_hashes,

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eeserve import attention
-from eeserve.attention import AttnMeta, PagedKVCache, SeqSpan
+from eeserve.engine import attention
+from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
+from eeserve.kernels.native import NativeOps, load
 from eeserve.models.llama import Rotary, apply_rotary, silu_and_mul
-from eeserve.native import NativeOps, load
 from tests.tiny_model import make_llm
 
 if os.environ.get("EESERVE_NATIVE") == "0":

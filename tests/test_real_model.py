@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from eeserve import LLM, ExitParams, SamplingParams
-from eeserve.loader import resolve_model
-from eeserve.prompts import prompt_texts
+from eeserve.models.loader import resolve_model
+from eeserve.tuning.prompts import prompt_texts
 from tests.tiny_model import (
     hf_greedy,
     hf_logprobs,

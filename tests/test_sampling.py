@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from eeserve import LLM, RequestOutput, SamplingParams
-from eeserve.sampler import Sampler
+from eeserve.engine.sampler import Sampler
 from tests.tiny_model import make_llm, random_prompt
 
 # -- SamplingParams ------------------------------------------------------------------------

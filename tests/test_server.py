@@ -245,7 +245,7 @@ def test_early_exit_field(server: Server, http: httpx.Client) -> None:
 
 
 def test_bench_serve_smoke(server: Server) -> None:
-    from eeserve.server.bench_serve import bench_serve, exit_modes, format_table
+    from eeserve.bench.serve import bench_serve, exit_modes, format_table
 
     rows = bench_serve(
         server.base,
@@ -447,7 +447,7 @@ def test_graceful_shutdown(tiny_model_dir: Path) -> None:
 
 def test_engine_loop_drain_fails_running_requests(tiny_model_dir: Path) -> None:
     from eeserve.config import EngineConfig
-    from eeserve.engine import LLMEngine
+    from eeserve.engine.llm_engine import LLMEngine
     from eeserve.sampling_params import SamplingParams
     from eeserve.server.engine_loop import ChoiceSpec, EngineLoop, GenerationError, ShuttingDown
     from eeserve.server.metrics import ServerMetrics

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eeserve.exits import ExitConfig, default_shared_exit_layers
+from eeserve.models.exit_config import ExitConfig, default_shared_exit_layers
 from eeserve.models.llama import LlamaMLP, RMSNorm
 
 CONFIG_NAME = "exit_config.json"
@@ -43,7 +43,7 @@ def max_exit_layer(adapter: str, num_layers: int) -> int:
 class Adapter(nn.Module):
     """Residual adapter ``h + f(h)``, initialised to the identity (f = 0), except ``layer``:
     f = a decoder layer's MLP half (``rank`` = MLP width), which the caller fills from the base
-    model (``tuning_layer.init_layer_heads``)."""
+    model (``tuning.layer_heads.init_layer_heads``)."""
 
     def __init__(self, kind: str, dim: int, rank: int, eps: float = 1e-5) -> None:
         super().__init__()

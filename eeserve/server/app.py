@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from eeserve import __version__
-from eeserve.engine import LLMEngine
+from eeserve.engine.llm_engine import LLMEngine
 from eeserve.server.engine_loop import EngineLoop
 from eeserve.server.formatting import TokenStrings
 from eeserve.server.metrics import ServerMetrics

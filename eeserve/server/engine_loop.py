@@ -33,8 +33,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from eeserve.engine import LLMEngine
-from eeserve.exits import ExitParams, resolve_exit_plan
+from eeserve.engine.exits import resolve_exit_plan
+from eeserve.engine.llm_engine import LLMEngine
+from eeserve.exit_params import ExitParams
 from eeserve.outputs import RequestOutput
 from eeserve.sampling_params import SamplingParams
 from eeserve.server.metrics import ServerMetrics

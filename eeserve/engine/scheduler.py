@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from eeserve.block_manager import BlockManager
-from eeserve.sequence import Sequence, SequenceStatus
+from eeserve.engine.block_manager import BlockManager
+from eeserve.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

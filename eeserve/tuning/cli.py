@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from eeserve.models.exit_heads import ADAPTERS
-from eeserve.tuning import DEFAULT_ADAPTER, TuneOptions, tune
+from eeserve.tuning.heads import DEFAULT_ADAPTER, TuneOptions, tune
 
 _KNOBS = {  # TuneOptions fields set from the command line, with their help
     "tokens": "self-generated tuning tokens (heads and probes)",

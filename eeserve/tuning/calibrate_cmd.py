@@ -30,18 +30,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eeserve.calibration import (
+from eeserve.config import EXIT_POLICIES
+from eeserve.engine.exits import calibrated_threshold
+from eeserve.engine.llm_engine import LLMEngine
+from eeserve.engine_args import add_engine_args, engine_config
+from eeserve.exit_params import MEASURES, ExitParams
+from eeserve.llm import chat_token_ids
+from eeserve.models.exit_config import ExitConfig
+from eeserve.models.exit_heads import CONFIG_NAME, WEIGHTS_NAME, load_sidecar, save_sidecar
+from eeserve.models.loader import DEFAULT_MODEL, packaged_sidecar, resolve_model
+from eeserve.sampling_params import SamplingParams
+from eeserve.tuning.calibration import (
     PVALUES,
     CandidateRow,
     check_candidate,
     chosen_threshold,
     order_candidates,
 )
-from eeserve.config import EXIT_POLICIES
-from eeserve.engine import LLMEngine
-from eeserve.exits import MEASURES, ExitConfig, ExitParams, calibrated_threshold
-from eeserve.quality import rouge_l, token_agreement
-from eeserve.sampling_params import SamplingParams
+from eeserve.tuning.prompts import prompt_texts
+from eeserve.tuning.quality import rouge_l, token_agreement
 
 DEFAULT_CANDIDATES = {
     "softmax_margin": [0.999, 0.995, 0.99, 0.98, 0.97, 0.95, 0.93, 0.9, 0.85, 0.8, 0.7, 0.5],
@@ -221,9 +228,6 @@ def with_calibration(cfg: ExitConfig, entry: dict[str, object]) -> ExitConfig:
 
 def sidecar_source(model: str) -> Path | None:
     """The folder whose sidecar the engine loaded for ``model`` (same search as the engine)."""
-    from eeserve.loader import packaged_sidecar, resolve_model
-    from eeserve.models.exit_heads import CONFIG_NAME
-
     for folder in [resolve_model(model), packaged_sidecar(model)]:
         if folder is not None and (folder / CONFIG_NAME).exists():
             return folder
@@ -231,8 +235,6 @@ def sidecar_source(model: str) -> Path | None:
 
 
 def target_folder(model: str, out_config: str | None) -> Path:
-    from eeserve.loader import DEFAULT_MODEL, packaged_sidecar, resolve_model
-
     if out_config:
         return Path(out_config)
     if model == DEFAULT_MODEL:
@@ -253,8 +255,6 @@ def write_calibration(
     model: str, out: Path, calibrated: ExitConfig, entry: dict[str, object]
 ) -> Path:
     """Merge ``entry`` into the sidecar at ``out`` (created from ``calibrated`` if absent)."""
-    from eeserve.models.exit_heads import CONFIG_NAME, WEIGHTS_NAME, load_sidecar, save_sidecar
-
     found = load_sidecar(out)
     if found is not None:
         base = found[0]
@@ -284,15 +284,12 @@ def load_prompts(args: argparse.Namespace, split: str, n: int) -> list[str]:
             json.loads(ln)["prompt"] if args.prompts.endswith(".jsonl") else ln for ln in lines
         ]
         return texts[:n]
-    from eeserve.prompts import prompt_texts
-
     return prompt_texts(n, seed=args.seed, split=split)
 
 
 def prompt_ids(engine: LLMEngine, texts: list[str], chat: str) -> list[list[int]]:
     """Token ids: plain text (``no``), in the chat template (``yes``) or alternating (``mixed``,
     as the exit-head tuning data)."""
-    from eeserve.llm import chat_token_ids
 
     def wrap(i: int) -> bool:
         return chat == "yes" or (chat == "mixed" and i % 2 == 0)
@@ -334,8 +331,6 @@ def heldout_check(
 
 
 def main(args: argparse.Namespace) -> int:
-    from eeserve.engine_args import engine_config
-
     if args.exit_policy == "none":
         raise ValueError("calibrate needs an exit policy (per_sequence or batch_all), not none")
     for name in ("delta", "epsilon"):
@@ -371,8 +366,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_calibrate_parser(sub: Any) -> argparse.ArgumentParser:
-    from eeserve.engine_args import add_engine_args
-
     p: argparse.ArgumentParser = sub.add_parser(
         "calibrate",
         help="calibrate the exit threshold for a quality target (Learn-then-Test)",

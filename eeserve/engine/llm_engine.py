@@ -14,16 +14,17 @@ from dataclasses import dataclass
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from eeserve.block_manager import BlockManager
 from eeserve.config import EngineConfig
-from eeserve.exits import ExitParams, resolve_exit_plan
-from eeserve.loader import load_model, packaged_sidecar, resolve_model
-from eeserve.model_runner import ModelRunner, StepOutput
+from eeserve.engine.block_manager import BlockManager
+from eeserve.engine.exits import resolve_exit_plan
+from eeserve.engine.model_runner import ModelRunner, StepOutput
+from eeserve.engine.scheduler import Scheduler, SchedulerConfig
+from eeserve.engine.sequence import Sequence
+from eeserve.exit_params import ExitParams
 from eeserve.models.exit_heads import load_exit_setup
+from eeserve.models.loader import load_model, packaged_sidecar, resolve_model
 from eeserve.outputs import CompletionOutput, ExitStats, RequestOutput
 from eeserve.sampling_params import SamplingParams
-from eeserve.scheduler import Scheduler, SchedulerConfig
-from eeserve.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

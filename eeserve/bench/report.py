@@ -11,7 +11,8 @@ request makes exactly ``max_tokens``:
 2. frontier: per confidence measure, a sweep of thresholds plus the model's default and
    calibrated ones, at one batch size with the first policy and strategy: speed ratio against
    full depth next to token agreement and ROUGE-L;
-3. baseline: HF transformers ``generate`` (``bench.run_hf``) on the same weights, dtype, prompts;
+3. baseline: HF transformers ``generate`` (``bench.measure.run_hf``) on the same weights, dtype
+   and prompts;
 4. telemetry of every early-exit run: histogram of exit layers over all generated tokens (the
    first token of a request comes from the prefill, at full depth) and mean layers per token.
 
@@ -20,7 +21,7 @@ repeat) and each figure is the median run by decode tokens/s; a ratio divides tw
 the same run. A further repeat starts only if it should end within ``--time-budget`` minutes of
 the first (at least one repeat always runs; the report says how many ran). Absolute figures
 mean something only within one report. ``write`` puts
-``report.json``, ``report.md`` and the PNG plots (``bench_plots``) into the output folder.
+``report.json``, ``report.md`` and the PNG plots (``bench.plots``) into the output folder.
 """
 
 from __future__ import annotations
@@ -28,150 +29,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
-
-@dataclass(frozen=True)
-class _Defaults:
-    batch_sizes: str
-    max_tokens: int
-    repeats: int
-    frontier_batch: int
-    thresholds: str  # softmax and classifier measures
-    cosine_thresholds: str  # hidden_cosine
-
-
-_FULL = _Defaults("1,8,32", 128, 3, 8, "0.5,0.9,0.99", "0.95,0.98,0.99")
-_QUICK = _Defaults("1,8", 32, 1, 8, "0.5,0.9", "0.95,0.99")
-
-
-@dataclass
-class ReportConfig:
-    model: str = "smollm2"
-    out: str = "bench/results/report"
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32])
-    max_tokens: int = 128
-    repeats: int = 3
-    seed: int = 0
-    dtype: str = "auto"
-    policies: list[str] = field(default_factory=lambda: ["per_sequence", "batch_all"])
-    kv_fills: list[str] = field(default_factory=lambda: ["fill", "recompute"])
-    measure: str | None = None  # operating point; default: the exit config's
-    threshold: float | None = None
-    measures: list[str] | None = None  # frontier; default: all the model supports
-    thresholds: list[float] = field(default_factory=lambda: [0.5, 0.9, 0.99])
-    cosine_thresholds: list[float] = field(default_factory=lambda: [0.95, 0.98, 0.99])
-    frontier_batch: int = 8
-    time_budget_min: float = 30.0  # no further repeat starts that would end later; 0: none
-    hf: bool = True
-    chat: bool = True
-    threads: int | None = None
-    quick: bool = False
-    note: str = ""
-    command: str = ""
-
-
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x]
-
-
-def config_from_args(args: argparse.Namespace) -> ReportConfig:
-    """Options left unset take the ``--quick`` or the full defaults."""
-    base = _QUICK if args.quick else _FULL
-    batch_sizes = args.batch_sizes or base.batch_sizes
-    if args.batch_sizes is None and not args.quick and torch.cuda.is_available():
-        batch_sizes += ",64"
-    return ReportConfig(
-        model=args.model,
-        out=args.out or ("bench/results/quick" if args.quick else "bench/results/report"),
-        batch_sizes=[int(b) for b in str(batch_sizes).split(",")],
-        max_tokens=args.max_tokens or base.max_tokens,
-        repeats=args.repeats or base.repeats,
-        seed=args.seed,
-        dtype=args.dtype,
-        policies=args.policies.split(","),
-        kv_fills=args.kv_fills.split(","),
-        measure=args.measure,
-        threshold=args.threshold,
-        measures=args.measures.split(",") if args.measures else None,
-        thresholds=_floats(args.thresholds or base.thresholds),
-        cosine_thresholds=_floats(args.cosine_thresholds or base.cosine_thresholds),
-        frontier_batch=args.frontier_batch or base.frontier_batch,
-        time_budget_min=args.time_budget,
-        hf=not args.no_hf,
-        chat=args.prompt_format == "chat",
-        threads=args.threads,
-        quick=args.quick,
-        note=args.note,
-        command=_command_line(),
-    )
-
-
-def _command_line() -> str:
-    """The command line as invoked (``sys.argv``)."""
-    if Path(sys.argv[0]).name == "eeserve" or sys.argv[0].endswith("eeserve/cli.py"):
-        return shlex.join(["eeserve", *sys.argv[1:]])
-    return shlex.join(sys.argv)
-
-
-def canonical_command(cfg: ReportConfig) -> str:
-    """An ``eeserve bench report`` command with every option explicit: reruns the same plan."""
-    args = [
-        "eeserve",
-        "bench",
-        "report",
-        "--model",
-        cfg.model,
-        "--out",
-        cfg.out,
-        "--batch-sizes",
-        ",".join(map(str, cfg.batch_sizes)),
-        "--max-tokens",
-        str(cfg.max_tokens),
-        "--repeats",
-        str(cfg.repeats),
-        "--seed",
-        str(cfg.seed),
-        "--dtype",
-        cfg.dtype,
-        "--policies",
-        ",".join(cfg.policies),
-        "--kv-fills",
-        ",".join(cfg.kv_fills),
-        "--thresholds",
-        ",".join(f"{t:g}" for t in cfg.thresholds),
-        "--cosine-thresholds",
-        ",".join(f"{t:g}" for t in cfg.cosine_thresholds),
-        "--frontier-batch",
-        str(cfg.frontier_batch),
-        "--time-budget",
-        f"{cfg.time_budget_min:g}",
-        "--prompt-format",
-        "chat" if cfg.chat else "raw",
-    ]
-    for flag, value in (
-        ("--measure", cfg.measure),
-        ("--threshold", cfg.threshold),
-        ("--measures", ",".join(cfg.measures) if cfg.measures else None),
-        ("--threads", cfg.threads),
-    ):
-        if value is not None:
-            args += [flag, str(value)]
-    return shlex.join(args + ([] if cfg.hf else ["--no-hf"]))
+from eeserve.bench.plots import plot_all
+from eeserve.bench.report_config import ReportConfig, canonical_command, config_from_args
+from eeserve.bench.report_md import render
+from eeserve.bench.report_run import ReportRun, run_blocks
 
 
 def run_report(cfg: ReportConfig) -> dict[str, Any]:
     """Measure everything (progress on stderr) and return the raw figures."""
-    from eeserve.bench_report_run import ReportRun, run_blocks
-
     started = time.strftime("%Y-%m-%d %H:%M:%S %z")
     load_start = _load_average()
     t0 = time.perf_counter()
@@ -207,7 +79,7 @@ def _git_revision() -> str | None:
     """The checkout's commit (``+dirty`` with local changes), when run from a git checkout."""
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     try:
         rev = subprocess.run(
             ["git", "-C", str(root), "describe", "--always", "--dirty=+dirty"],
@@ -220,9 +92,6 @@ def _git_revision() -> str | None:
 
 def write(results: dict[str, Any], out: Path) -> list[Path]:
     """report.json, report.md and the plots into ``out``; returns the paths written."""
-    from eeserve.bench_plots import plot_all
-    from eeserve.bench_report_md import render
-
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "report.json", out / "report.md"]
     paths[0].write_text(json.dumps(results, indent=2, default=str))

@@ -14,16 +14,22 @@ from functools import partial
 
 import torch
 
-from eeserve.attention import AttnMeta, PagedKVCache, SeqSpan
-from eeserve.exit_loop import ExitBatch, ExitLoop, Passenger
-from eeserve.exits import ExitConfig
-from eeserve.kernels import PackedLinear, can_pack, pack_for_cpu, pack_linears, use_native_ops
+from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
+from eeserve.engine.exit_loop import ExitBatch, ExitLoop, Passenger
+from eeserve.engine.sampler import Sampler
+from eeserve.engine.sequence import Sequence
+from eeserve.kernels.native import load as load_native
+from eeserve.kernels.packing import (
+    PackedLinear,
+    can_pack,
+    pack_for_cpu,
+    pack_linears,
+    use_native_ops,
+)
 from eeserve.models.config import ModelConfig, rope_tables
+from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaForCausalLM, Rotary
-from eeserve.native import load as load_native
-from eeserve.sampler import Sampler
-from eeserve.sequence import Sequence
 
 
 @dataclass

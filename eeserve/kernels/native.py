@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from eeserve.loader import eeserve_home
+from eeserve.config import eeserve_home
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"

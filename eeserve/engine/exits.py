@@ -1,9 +1,9 @@
-"""Early-exit logic: per-request parameters, the resolved plan, confidence measures, policies.
+"""Early-exit logic: the resolved plan, confidence measures, batch policies.
 
 Contract:
-- ``ExitParams`` is what a request asks for; ``resolve_exit_plan`` turns it, with the model's exit
-  config (sidecar) as defaults, into an ``ExitPlan``: per exit layer a threshold, one measure.
-  ``None`` means full depth.
+- ``ExitParams`` (``eeserve.exit_params``) is what a request asks for; ``resolve_exit_plan``
+  turns it, with the model's exit config (sidecar) as defaults, into an ``ExitPlan``: per exit
+  layer a threshold, one measure. ``None`` means full depth.
 - ``confidence`` computes a measure for some rows at one exit layer (DESIGN.md: softmax margin,
   max prob, hidden-state cosine, classifier probe). Only the softmax measures need the exit
   logits; the runner computes those only where a measure or an exiting row needs them.
@@ -15,53 +15,13 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-MEASURES = ("softmax_margin", "max_prob", "hidden_cosine", "classifier")
-LOGIT_MEASURES = ("softmax_margin", "max_prob")
-
-
-@dataclass
-class ExitParams:
-    """Per-request early-exit control. ``threshold``/``measure`` default to the model's config."""
-
-    enabled: bool = True
-    threshold: float | list[float] | None = None  # one value, or one per exit layer
-    measure: str | None = None
-    min_layer: int = 1
-    exit_layers: list[int] | None = None
-    tolerance: float | None = None  # a calibrated quality target instead of a raw threshold
-
-    def __post_init__(self) -> None:
-        if self.measure is not None and self.measure not in MEASURES:
-            raise ValueError(f"ExitParams.measure must be one of {MEASURES}, got {self.measure!r}")
-        ths = self.threshold if isinstance(self.threshold, list) else [self.threshold]
-        for t in ths:
-            if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t != t):
-                raise ValueError(
-                    f"ExitParams.threshold must be a number or a list of numbers, got {t!r}"
-                )
-        if (
-            isinstance(self.min_layer, bool)
-            or not isinstance(self.min_layer, int)
-            or self.min_layer < 1
-        ):
-            raise ValueError(
-                f"ExitParams.min_layer must be an integer >= 1, got {self.min_layer!r}"
-            )
-        if self.exit_layers is not None and (
-            not self.exit_layers or not all(isinstance(x, int) and x >= 1 for x in self.exit_layers)
-        ):
-            raise ValueError(
-                f"ExitParams.exit_layers must be layer numbers >= 1, got {self.exit_layers!r}"
-            )
-        if self.tolerance is not None and not (0 < self.tolerance < 1):
-            raise ValueError(f"ExitParams.tolerance must be in (0, 1), got {self.tolerance!r}")
-        if self.threshold is not None and self.tolerance is not None:
-            raise ValueError("ExitParams: give threshold or tolerance, not both")
+from eeserve.exit_params import LOGIT_MEASURES, ExitParams
+from eeserve.models.exit_config import ExitConfig
 
 
 @dataclass(frozen=True)
@@ -74,28 +34,6 @@ class ExitPlan:
     @property
     def layers(self) -> list[int]:
         return sorted(self.thresholds)
-
-
-@dataclass
-class ExitConfig:
-    """The model's exit-head description (the JSON half of the sidecar; see README)."""
-
-    num_layers: int
-    exit_layers: list[int]
-    head: str = "shared"  # "shared" (final norm + LM head) or "tuned" (own norm + adapter)
-    adapter: str = "none"  # none|linear|lowrank|mlp, or "layer" (see models.exit_heads)
-    adapter_rank: int = 0  # lowrank/mlp width; "layer": the model's MLP width
-    classifier: bool = False
-    default_measure: str = "softmax_margin"
-    thresholds: dict[str, float | list[float]] = field(default_factory=dict)
-    calibration: list[dict[str, object]] = field(default_factory=list)
-    enabled_by_default: bool = False
-
-
-def default_shared_exit_layers(num_layers: int) -> list[int]:
-    """Sparse exits for the shared head: every check costs a vocabulary projection (2·V·D)."""
-    step = max(1, num_layers // 5)
-    return list(range(step, num_layers, step))
 
 
 def resolve_exit_plan(

@@ -1,7 +1,7 @@
 """CPU fast paths for a loaded model: oneDNN-packed projections and the engine's fused kernels.
 
 Contract: ``use_native_ops(model, ops)`` routes every RMSNorm, rotary embedding and SwiGLU
-activation of the model through the engine's own kernels (``native.py``): same arithmetic, one pass
+activation of the model through the engine's own kernels (``native``): same arithmetic, one pass
 each instead of several ATen ops. ``pack_for_cpu(model)`` replaces every projection of a loaded
 model by a ``PackedLinear`` holding the same weights in oneDNN's blocked layout (the dense copy is
 dropped, so memory does not grow), and gives each attention a packed K/V-only projection for the
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from eeserve.kernels.native import NativeOps
 from eeserve.models.llama import LlamaForCausalLM, RMSNorm, Rotary
-from eeserve.native import NativeOps
 
 
 class PackedLinear(nn.Module):

@@ -3,7 +3,7 @@
 Contract: ``PagedKVCache`` owns the K/V pool tensors (``[layers, slots, kv_heads, head_dim]``, slot
 = block_id * block_size + offset). ``attend`` first writes the rows' new K/V at their slots, then
 computes attention of the rows' queries over each sequence's cached context. On CPU with the
-engine's kernels (``native.py``) decode attention reads the pool in place; otherwise the context is
+engine's kernels (``native``) decode attention reads the pool in place; otherwise the context is
 gathered and SDPA runs on the copy. ``AttnMeta`` describes one forward pass: which slot each row
 writes and, per sequence, which rows are its queries and which slots form its context. ``subset``
 re-targets it to the rows that are still running when some have exited early; sequences with no row
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from eeserve.native import NativeOps
+from eeserve.kernels.native import NativeOps
 
 
 @dataclass

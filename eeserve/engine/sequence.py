@@ -10,12 +10,10 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from eeserve.engine.exits import ExitPlan
+from eeserve.exit_params import ExitParams
 from eeserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from eeserve.exits import ExitParams, ExitPlan
 
 
 class SequenceStatus(enum.Enum):

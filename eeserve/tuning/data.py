@@ -34,8 +34,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from eeserve.exit_params import ExitParams
+from eeserve.llm import LLM, chat_token_ids
 from eeserve.models.config import rope_tables
 from eeserve.models.llama import LlamaForCausalLM, Rotary
+from eeserve.sampling_params import SamplingParams
+from eeserve.tuning.prompts import prompt_texts
 
 
 @dataclass
@@ -96,11 +100,6 @@ def self_generated(
     Each prompt (even ones in the chat template, odd ones plain) is continued once greedily and
     once sampled; rounds of at most ``batch`` prompts, sized to what is still missing.
     """
-    from eeserve.exits import ExitParams
-    from eeserve.llm import chat_token_ids
-    from eeserve.prompts import prompt_texts
-    from eeserve.sampling_params import SamplingParams
-
     groups: list[Group] = []
     bar = tqdm(total=tokens, desc=f"generate ({split})", unit="tok")
     made = 0
@@ -347,8 +346,6 @@ def load_groups(
     cache: Path,
 ) -> tuple[list[Group], list[Group]]:
     """Tuning and held-out groups, generated once and cached as token ids under ``cache``."""
-    from eeserve import LLM
-
     key = json.dumps([model, [str(p) for p in data], tokens, heldout_tokens, seed, max_tokens])
     path = cache / f"groups-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():

@@ -32,6 +32,8 @@ from typing import Any
 
 import httpx
 
+from eeserve.tuning.prompts import prompt_texts
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -218,8 +220,6 @@ def add_bench_serve_parser(subparsers: Any, name: str = "serve") -> argparse.Arg
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    from eeserve.prompts import prompt_texts
-
     prompts = prompt_texts(args.num_prompts, args.seed, "bench", max_chars=args.prompt_chars)
     rates = [float(r) for r in args.rates.split(",")]
     name = args.served_model_name or args.model

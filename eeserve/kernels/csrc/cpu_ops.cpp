@@ -3,7 +3,7 @@
 // Contract: every op reads contiguous tensors (float32, bfloat16 or float16), computes in float32
 // and rounds to the input dtype where the PyTorch reference (HF transformers' arithmetic) rounds,
 // so outputs equal the reference up to float summation order. Registered as torch.ops.eeserve.*;
-// eeserve/native.py builds this file once per machine and falls back to PyTorch without it.
+// eeserve/kernels/native.py builds this file once per machine and falls back to PyTorch without it.
 //
 // Why hand-written: on a 2-core CPU a decode step of the default model spends ~25% of its time
 // outside the GEMMs, in ~15 small ATen ops per layer (each a full pass over its tensor plus

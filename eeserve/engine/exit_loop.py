@@ -34,8 +34,9 @@ from functools import partial
 
 import torch
 
-from eeserve.attention import AttnMeta, PagedKVCache
-from eeserve.exits import LOGIT_MEASURES, ExitPlan, confidence, decide
+from eeserve.engine.attention import AttnMeta, PagedKVCache
+from eeserve.engine.exits import ExitPlan, confidence, decide
+from eeserve.exit_params import LOGIT_MEASURES
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import AttentionFn, LlamaDecoderLayer, LlamaForCausalLM, Rotary
 

@@ -9,7 +9,7 @@ threshold sweep: per layer, the fraction of tokens that would exit there and the
 them; over all exit layers at once (a token leaves at the first exit whose confidence reaches the
 threshold, as the engine's ``per_sequence`` policy does), the cumulative exit fraction per layer,
 the agreement among exiting tokens, the overall agreement and the ideal speed-up of the cost model
-in ``bench_exits``. Per measure it picks the loosest single threshold whose exiting tokens agree
+in ``bench.exits``. Per measure it picks the loosest single threshold whose exiting tokens agree
 with full depth at the target (``chosen``, what the sidecar stores) and a per-layer set
 (``chosen_per_layer``); the default measure is the one with the best ideal speed-up at its single
 threshold; exits are enabled by default only when that speed-up reaches ``MIN_SPEEDUP``.
@@ -26,10 +26,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from eeserve.exits import LOGIT_MEASURES, MEASURES
+from eeserve.exit_params import LOGIT_MEASURES, MEASURES
+from eeserve.models.cost import CostModel
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaForCausalLM
-from eeserve.tuning_data import Collected
+from eeserve.tuning.data import Collected
 
 SWEEP = {
     "softmax_margin": [0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99],
@@ -153,15 +154,13 @@ def _per_layer(conf: torch.Tensor, agree: torch.Tensor, meets: Any) -> list[floa
 def _cost_fn(
     model: LlamaForCausalLM, heads: ExitHeads, layers: list[int], logit_measure: bool
 ) -> Any:
-    """Ideal full-depth / early-exit cost per token (``bench_exits.CostModel``; fill strategy).
+    """Ideal full-depth / early-exit cost per token (``models.cost.CostModel``; fill strategy).
 
     A check costs the head (adapter + LM head) for softmax measures, a dot product otherwise; a
     token that exits with a probe measure pays its head once more for its logits. A ``layer``
     head decides exit l inside layer l + 1: an exiting token also runs that layer's attention,
     whose K/V then need no fill, and its adapter cost is the head's MLP; a continuing token runs
     that attention anyway (nothing extra)."""
-    from eeserve.bench_exits import CostModel
-
     adapter = sum(
         p.numel() for n, p in heads.head(layers[0]).named_parameters() if "classifier" not in n
     )
@@ -308,7 +307,7 @@ def markdown(r: dict[str, Any]) -> str:
         "exit layers (first four rows) or one per layer (last four; 1.01 = never exit there). "
         "A token exits at the first exit layer whose confidence reaches the threshold. "
         f"Default measure `{r['default_measure']}`, enabled by default: "
-        f"{r['enabled_by_default']}. Ideal speed-up: `bench_exits.CostModel`, KV fill."
+        f"{r['enabled_by_default']}. Ideal speed-up: `models.cost.CostModel`, KV fill."
         + _layer_note(r),
         "",
         *_chosen_rows(r),

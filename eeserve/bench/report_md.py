@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eeserve.bench_plots import layer_axis
+from eeserve.bench.plots import layer_axis
 
 Row = dict[str, Any]
 

@@ -19,7 +19,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from eeserve.sequence import Sequence
+from eeserve.engine.sequence import Sequence
 
 
 @dataclass

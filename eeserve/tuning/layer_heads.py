@@ -8,7 +8,7 @@ post-attention RMSNorm and SwiGLU MLP, the head's own final RMSNorm and the froz
 untrained head equals the shared head (final norm + LM head) at layer l + 1 exactly.
 Its sidecar has ``adapter_rank`` = the model's MLP width. Training reuses ``tuning``'s sampled-KL
 distillation (``tuning.train_head``) and probes on h_mid, the head's input, which
-``tuning_data.collect(mid=True)`` collects; no warm start from the layer above (each head starts
+``tuning.data.collect(mid=True)`` collects; no warm start from the layer above (each head starts
 from its own layer l + 1) and no input standardisation (the head's first op is an RMSNorm).
 Its learning rate is ``TuneOptions.layer_lr``: a pretrained MLP wants smaller steps than a
 zero-initialised adapter (on the default model, 1e-4 left the heads near their start: held-out

@@ -1,0 +1,43 @@
+"""The ``eeserve bench`` command line: one place that registers every benchmark subcommand.
+
+Contract: ``add_bench_parser(subparsers)`` adds ``eeserve bench`` (this engine vs HF and the
+early-exit sweeps, ``bench.compare``) with its subcommands ``report`` (``bench.report``) and
+``serve`` (``bench.serve``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eeserve.bench.compare import main
+from eeserve.bench.report import add_report_parser
+from eeserve.bench.serve import add_bench_serve_parser
+
+
+def add_bench_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="benchmark: this engine vs HF transformers (and exits)")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results/bench.json")
+    p.add_argument("--sections", default="hf,exits", help="hf (engine vs HF), exits, or both")
+    p.add_argument("--policies", default="per_sequence,batch_all")
+    p.add_argument("--kv-fills", default="fill", help="fill, recompute or both")
+    p.add_argument("--thresholds", default="0.5,0.8,0.9,0.95")
+    p.add_argument("--measure", default=None, help="default: the model's exit config")
+    p.add_argument(
+        "--efficiency-layer",
+        type=int,
+        default=None,
+        help="exit layer of the threshold-0 efficiency check (default: the first exit layer)",
+    )
+    p.add_argument("--exit-dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all)")
+    p.set_defaults(func=main)
+    sub_bench = p.add_subparsers(dest="bench_command", metavar="{report,serve}")
+    add_report_parser(sub_bench)
+    add_bench_serve_parser(sub_bench)

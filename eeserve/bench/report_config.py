@@ -1,0 +1,145 @@
+"""What one ``eeserve bench report`` run measures: its settings, from the command line.
+
+Contract: ``config_from_args(args)`` turns the ``report`` subcommand's flags into a
+``ReportConfig`` (``--quick`` picks smaller defaults); ``canonical_command(cfg)`` is the command
+line that reproduces it (recorded in the report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class _Defaults:
+    batch_sizes: str
+    max_tokens: int
+    repeats: int
+    frontier_batch: int
+    thresholds: str  # softmax and classifier measures
+    cosine_thresholds: str  # hidden_cosine
+
+
+_FULL = _Defaults("1,8,32", 128, 3, 8, "0.5,0.9,0.99", "0.95,0.98,0.99")
+_QUICK = _Defaults("1,8", 32, 1, 8, "0.5,0.9", "0.95,0.99")
+
+
+@dataclass
+class ReportConfig:
+    model: str = "smollm2"
+    out: str = "bench/results/report"
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32])
+    max_tokens: int = 128
+    repeats: int = 3
+    seed: int = 0
+    dtype: str = "auto"
+    policies: list[str] = field(default_factory=lambda: ["per_sequence", "batch_all"])
+    kv_fills: list[str] = field(default_factory=lambda: ["fill", "recompute"])
+    measure: str | None = None  # operating point; default: the exit config's
+    threshold: float | None = None
+    measures: list[str] | None = None  # frontier; default: all the model supports
+    thresholds: list[float] = field(default_factory=lambda: [0.5, 0.9, 0.99])
+    cosine_thresholds: list[float] = field(default_factory=lambda: [0.95, 0.98, 0.99])
+    frontier_batch: int = 8
+    time_budget_min: float = 30.0  # no further repeat starts that would end later; 0: none
+    hf: bool = True
+    chat: bool = True
+    threads: int | None = None
+    quick: bool = False
+    note: str = ""
+    command: str = ""
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def config_from_args(args: argparse.Namespace) -> ReportConfig:
+    """Options left unset take the ``--quick`` or the full defaults."""
+    base = _QUICK if args.quick else _FULL
+    batch_sizes = args.batch_sizes or base.batch_sizes
+    if args.batch_sizes is None and not args.quick and torch.cuda.is_available():
+        batch_sizes += ",64"
+    return ReportConfig(
+        model=args.model,
+        out=args.out or ("bench/results/quick" if args.quick else "bench/results/report"),
+        batch_sizes=[int(b) for b in str(batch_sizes).split(",")],
+        max_tokens=args.max_tokens or base.max_tokens,
+        repeats=args.repeats or base.repeats,
+        seed=args.seed,
+        dtype=args.dtype,
+        policies=args.policies.split(","),
+        kv_fills=args.kv_fills.split(","),
+        measure=args.measure,
+        threshold=args.threshold,
+        measures=args.measures.split(",") if args.measures else None,
+        thresholds=_floats(args.thresholds or base.thresholds),
+        cosine_thresholds=_floats(args.cosine_thresholds or base.cosine_thresholds),
+        frontier_batch=args.frontier_batch or base.frontier_batch,
+        time_budget_min=args.time_budget,
+        hf=not args.no_hf,
+        chat=args.prompt_format == "chat",
+        threads=args.threads,
+        quick=args.quick,
+        note=args.note,
+        command=_command_line(),
+    )
+
+
+def _command_line() -> str:
+    """The command line as invoked (``sys.argv``)."""
+    if Path(sys.argv[0]).name == "eeserve" or sys.argv[0].endswith("eeserve/cli.py"):
+        return shlex.join(["eeserve", *sys.argv[1:]])
+    return shlex.join(sys.argv)
+
+
+def canonical_command(cfg: ReportConfig) -> str:
+    """An ``eeserve bench report`` command with every option explicit: reruns the same plan."""
+    args = [
+        "eeserve",
+        "bench",
+        "report",
+        "--model",
+        cfg.model,
+        "--out",
+        cfg.out,
+        "--batch-sizes",
+        ",".join(map(str, cfg.batch_sizes)),
+        "--max-tokens",
+        str(cfg.max_tokens),
+        "--repeats",
+        str(cfg.repeats),
+        "--seed",
+        str(cfg.seed),
+        "--dtype",
+        cfg.dtype,
+        "--policies",
+        ",".join(cfg.policies),
+        "--kv-fills",
+        ",".join(cfg.kv_fills),
+        "--thresholds",
+        ",".join(f"{t:g}" for t in cfg.thresholds),
+        "--cosine-thresholds",
+        ",".join(f"{t:g}" for t in cfg.cosine_thresholds),
+        "--frontier-batch",
+        str(cfg.frontier_batch),
+        "--time-budget",
+        f"{cfg.time_budget_min:g}",
+        "--prompt-format",
+        "chat" if cfg.chat else "raw",
+    ]
+    for flag, value in (
+        ("--measure", cfg.measure),
+        ("--threshold", cfg.threshold),
+        ("--measures", ",".join(cfg.measures) if cfg.measures else None),
+        ("--threads", cfg.threads),
+    ):
+        if value is not None:
+            args += [flag, str(value)]
+    return shlex.join(args + ([] if cfg.hf else ["--no-hf"]))

@@ -1,0 +1,52 @@
+"""Per-request early-exit parameters (public API), with the measure names they may name.
+
+Contract: ``ExitParams`` validates on construction and raises ``ValueError`` naming the field;
+the engine resolves it against the model's exit config (``engine.exits.resolve_exit_plan``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MEASURES = ("softmax_margin", "max_prob", "hidden_cosine", "classifier")
+LOGIT_MEASURES = ("softmax_margin", "max_prob")
+
+
+@dataclass
+class ExitParams:
+    """Per-request early-exit control. ``threshold``/``measure`` default to the model's config."""
+
+    enabled: bool = True
+    threshold: float | list[float] | None = None  # one value, or one per exit layer
+    measure: str | None = None
+    min_layer: int = 1
+    exit_layers: list[int] | None = None
+    tolerance: float | None = None  # a calibrated quality target instead of a raw threshold
+
+    def __post_init__(self) -> None:
+        if self.measure is not None and self.measure not in MEASURES:
+            raise ValueError(f"ExitParams.measure must be one of {MEASURES}, got {self.measure!r}")
+        ths = self.threshold if isinstance(self.threshold, list) else [self.threshold]
+        for t in ths:
+            if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t != t):
+                raise ValueError(
+                    f"ExitParams.threshold must be a number or a list of numbers, got {t!r}"
+                )
+        if (
+            isinstance(self.min_layer, bool)
+            or not isinstance(self.min_layer, int)
+            or self.min_layer < 1
+        ):
+            raise ValueError(
+                f"ExitParams.min_layer must be an integer >= 1, got {self.min_layer!r}"
+            )
+        if self.exit_layers is not None and (
+            not self.exit_layers or not all(isinstance(x, int) and x >= 1 for x in self.exit_layers)
+        ):
+            raise ValueError(
+                f"ExitParams.exit_layers must be layer numbers >= 1, got {self.exit_layers!r}"
+            )
+        if self.tolerance is not None and not (0 < self.tolerance < 1):
+            raise ValueError(f"ExitParams.tolerance must be in (0, 1), got {self.tolerance!r}")
+        if self.threshold is not None and self.tolerance is not None:
+            raise ValueError("ExitParams: give threshold or tolerance, not both")

@@ -1,0 +1,32 @@
+"""The model's exit-head description: the JSON half of the exit sidecar (``exit_config.json``).
+
+Contract: ``ExitConfig`` is plain data (exit layers, head kind, adapter, probes, thresholds per
+measure, calibration records, whether exits are on by default); ``default_shared_exit_layers``
+gives the exit layers used when a model has no sidecar.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ExitConfig:
+    """The model's exit-head description (the JSON half of the sidecar; see README)."""
+
+    num_layers: int
+    exit_layers: list[int]
+    head: str = "shared"  # "shared" (final norm + LM head) or "tuned" (own norm + adapter)
+    adapter: str = "none"  # none|linear|lowrank|mlp, or "layer" (see models.exit_heads)
+    adapter_rank: int = 0  # lowrank/mlp width; "layer": the model's MLP width
+    classifier: bool = False
+    default_measure: str = "softmax_margin"
+    thresholds: dict[str, float | list[float]] = field(default_factory=dict)
+    calibration: list[dict[str, object]] = field(default_factory=list)
+    enabled_by_default: bool = False
+
+
+def default_shared_exit_layers(num_layers: int) -> list[int]:
+    """Sparse exits for the shared head: every check costs a vocabulary projection (2·V·D)."""
+    step = max(1, num_layers // 5)
+    return list(range(step, num_layers, step))
