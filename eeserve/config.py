@@ -30,9 +30,12 @@ class EngineConfig:
     # Bytes (int > 1) or a fraction of free memory (float in (0, 1]); device memory on CUDA.
     kv_cache_memory: float = 512 * 2**20
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
+    # Positions one forward pass computes at most. With chunked prefill, decode rows go first and
+    # prompts fill the rest in chunks; without it, a whole prompt always fits in one pass.
+    max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
     exit_policy: str = "per_sequence"
     kv_fill: str = "fill"
     # The engine's fused CPU kernels (eeserve/csrc, built once per machine); off: PyTorch ops only.
@@ -44,6 +47,12 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.enable_chunked_prefill and self.max_num_batched_tokens <= self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must exceed max_num_seqs "
+                f"({self.max_num_seqs}) with chunked prefill: decode rows come first and prompt "
+                "chunks would get no room"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if not self.kv_cache_memory > 0:

@@ -22,7 +22,18 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="positions per forward pass (prompts longer than this are prefilled in chunks)",
+    )
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="mix decode rows and prompt chunks in one pass (no decode stalls on long prompts)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--exit-policy", default="per_sequence", choices=EXIT_POLICIES)
@@ -40,6 +51,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         exit_policy=args.exit_policy,
         kv_fill=args.kv_fill,
     )

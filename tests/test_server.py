@@ -269,6 +269,31 @@ def test_bench_serve_smoke(server: Server) -> None:
     assert "early_exit" in format_table(rows)
 
 
+def test_long_prompt_arrival_scenario_smoke(server: Server) -> None:
+    from eeserve.bench.arrivals import arrivals_async, format_arrivals, long_prompt_texts
+
+    longs = long_prompt_texts(2, 300, seed=0)
+    assert len(longs) == 2 and longs[0] != longs[1] and all(len(t) == 300 for t in longs)
+    row = asyncio.run(
+        arrivals_async(
+            server.base,
+            server.model,
+            PROMPTS[:2],
+            longs,
+            stream_tokens=12,
+            long_tokens=2,
+            period=0.05,
+            first_after=0.05,
+            api_key=API_KEY,
+        )
+    )
+    assert row["errors"] == 0, row
+    gaps = row["stream_itl_ms"]
+    assert 0 < gaps["p50"] <= gaps["p99"] <= gaps["max"]
+    assert all(n > 50 for n in row["long_prompt_tokens"])
+    assert "stream gap" in format_arrivals([{"mode": "chunked", **row}])
+
+
 # -- hard edges ----------------------------------------------------------------------------------
 
 _BASE = {"model": None, "prompt": "Hello", "max_tokens": 4}

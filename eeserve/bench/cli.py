@@ -2,16 +2,18 @@
 
 Contract: ``add_bench_parser(subparsers)`` adds ``eeserve bench`` (this engine vs HF and the
 early-exit sweeps, ``bench.compare``) with its subcommands ``report`` (``bench.report``) and
-``serve`` (``bench.serve``).
+``serve`` (``bench.serve``; ``--scenario long-prompts``: ``bench.arrivals``).
 """
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
+from eeserve.bench.arrivals import add_arrival_args, run_arrivals
 from eeserve.bench.compare import main
 from eeserve.bench.report import add_report_parser
-from eeserve.bench.serve import add_bench_serve_parser
+from eeserve.bench.serve import add_bench_serve_parser, run_bench_serve
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -40,4 +42,10 @@ def add_bench_parser(sub: Any) -> None:
     p.set_defaults(func=main)
     sub_bench = p.add_subparsers(dest="bench_command", metavar="{report,serve}")
     add_report_parser(sub_bench)
-    add_bench_serve_parser(sub_bench)
+    serve = add_bench_serve_parser(sub_bench)
+    add_arrival_args(serve)
+    serve.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    return run_arrivals(args) if args.scenario == "long-prompts" else run_bench_serve(args)

@@ -8,7 +8,9 @@ against the same server. Per (mode, rate) it returns request and output-token th
 inter-token latency (time between streamed chunks) and end-to-end latency percentiles in ms,
 the mean exit layer and the error count. ``run_bench_serve(args)`` is the CLI entry: it benchmarks
 ``--base-url``, or starts ``python -m eeserve.server MODEL`` on a free loopback port for the run,
-prints a table and writes JSON. Only the given base URL (default: loopback) is contacted.
+prints a table and writes JSON. ``one_request``, ``percentiles`` and ``server`` are shared with
+the long-prompt scenario (``bench.arrivals``). Only the given base URL (default: loopback) is
+contacted.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def percentiles(values: list[float], ps: tuple[int, ...] = PERCENTILES) -> dict[
     return out
 
 
-async def _one_request(
+async def one_request(
     client: httpx.AsyncClient, body: dict[str, Any], start_at: float
 ) -> RequestResult:
     await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
@@ -129,7 +131,7 @@ async def _run_rate(
     for _ in bodies:
         offsets.append(t)
         t += 0.0 if math.isinf(rate) else rng.expovariate(rate)
-    tasks = [_one_request(client, b, start + dt) for b, dt in zip(bodies, offsets)]
+    tasks = [one_request(client, b, start + dt) for b, dt in zip(bodies, offsets)]
     results = await asyncio.gather(*tasks)
     return summarize(list(results), time.perf_counter() - start)
 
@@ -171,7 +173,7 @@ async def bench_serve_async(
                 "stream_options": {"include_usage": True},
             }
             bodies = [{**common, "prompt": p} for p in prompts]
-            await _one_request(client, {**bodies[0], "max_tokens": 2}, 0.0)  # warm-up
+            await one_request(client, {**bodies[0], "max_tokens": 2}, 0.0)  # warm-up
             for rate in rates:
                 row = await _run_rate(client, bodies, rate, seed)
                 rows.append({"mode": mode, "rate": rate, **row})
@@ -196,6 +198,13 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="`model` field (default: --model)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--server-args", default="", help="extra `eeserve serve` options, quoted")
+    p.add_argument(
+        "--scenario",
+        choices=["rates", "long-prompts"],
+        default="rates",
+        help="rates: Poisson arrivals per rate; long-prompts: long prompts arrive while streams "
+        "decode, with chunked prefill on and off",
+    )
     p.add_argument("--rates", default="1,4,inf", help="requests/s, comma-separated; inf = burst")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--prompt-chars", type=int, default=400)
@@ -224,7 +233,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     rates = [float(r) for r in args.rates.split(",")]
     name = args.served_model_name or args.model
     modes = exit_modes(args.exit_threshold, args.exit_measure)
-    with _server(args) as base_url:
+    with server(args) as base_url:
         rows = bench_serve(
             base_url,
             name,
@@ -260,7 +269,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 @contextmanager
-def _server(args: argparse.Namespace) -> Iterator[str]:
+def server(args: argparse.Namespace) -> Iterator[str]:
+    """``--base-url`` as it is, or a server started for the run (``--server-args`` appended)."""
     if args.base_url:
         yield args.base_url.rstrip("/")
         return
@@ -298,15 +308,3 @@ def _wait_healthy(base: str, proc: subprocess.Popen[bytes], timeout: float = 600
             pass
         time.sleep(0.2)
     raise RuntimeError("the server did not become healthy in time")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m eeserve.server.bench_serve", description=__doc__
-    )
-    add_bench_serve_args(parser)
-    return run_bench_serve(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -60,6 +60,9 @@ class ExitBatch:
     policy: str
     fill: bool = True
     passengers: dict[int, Passenger] = field(default_factory=dict)  # row -> owed position
+    # Sequences whose row is a prompt's (first token or a chunk): never checked, and no part of
+    # the batch that ``batch_all`` waits for.
+    prefill: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -311,7 +314,7 @@ class ExitLoop:
                 logits = lg  # in ``checked`` order: reusable for the tokens
         sticky = [st.marked[s] for s in seqs]
         ok = [ci >= p.thresholds[j] for ci, p in zip(c, plans)]
-        sampled = sum(1 for r in st.active if r in seq_of_row)
+        sampled = sum(1 for r in st.active if r in seq_of_row and seq_of_row[r] not in b.prefill)
         go = decide(b.policy, ok, sticky, all_checked=len(checked) == sampled)
         for s, m in zip(seqs, sticky):
             st.marked[s] = m

@@ -67,8 +67,13 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
-        budget = max(config.max_num_batched_tokens, self.max_model_len)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget), self.block_manager)
+        budget = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:  # a whole prompt must fit in one pass
+            budget = max(budget, self.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, budget, config.enable_chunked_prefill),
+            self.block_manager,
+        )
         sidecars = [folder] + [p for p in [packaged_sidecar(config.model)] if p is not None]
         self.exit_config, heads = load_exit_setup(
             sidecars, mcfg.num_layers, mcfg.hidden_size, mcfg.rms_norm_eps
@@ -162,8 +167,15 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return []
-        out = self.runner.execute(sched.seqs)
-        return [self._apply(seq, out, i) for i, seq in enumerate(sched.seqs)]
+        out = self.runner.execute(sched.seqs, sched.num_tokens)
+        outputs = []
+        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_tokens)):
+            if out.token_ids[i] is None:  # a prompt chunk: K/V written, no token yet
+                seq.num_computed_tokens += n
+                self.block_manager.commit(seq)
+            else:
+                outputs.append(self._apply(seq, out, i))
+        return outputs
 
     def _apply(self, seq: Sequence, out: StepOutput, i: int) -> RequestOutput:
         seq.num_computed_tokens = seq.num_tokens
@@ -176,6 +188,7 @@ class LLMEngine:
             seq.kv_debt = debt
         self.block_manager.commit(seq)
         token = out.token_ids[i]
+        assert token is not None
         seq.output_token_ids.append(token)
         seq.exit_confidences.append(out.confidences[i])
         lp = out.logprobs[i] if out.logprobs else None

@@ -1,10 +1,13 @@
 """Model runner: owns every tensor and device call.
 
-Contract: ``execute(seqs, is_prefill)`` builds the batch for the scheduled sequences (each
-computes its positions ``[num_computed_tokens, num_tokens)``), runs the layers one at a time over
-the paged KV cache, asks the exit planner after each exit layer which rows leave, pays their KV
-debt, projects to the vocabulary only the rows that need a token, samples, and returns tokens plus
-per-row exit telemetry. It never changes scheduling state: the engine applies the result.
+Contract: ``execute(seqs, num_tokens)`` builds the batch for the scheduled sequences (each
+computes ``num_tokens`` positions from ``num_computed_tokens``: a whole prompt, a prompt chunk
+or one decode position, after any owed ``recompute`` positions), runs the layers one at a time
+over the paged KV cache, asks the exit planner after each exit layer which rows leave, pays their
+KV debt, projects to the vocabulary only the rows that need a token, samples the sequences whose
+positions reach their last token (a prompt chunk that does not samples nothing), and returns
+tokens plus per-row exit telemetry. It never changes scheduling state: the engine applies the
+result.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from eeserve.models.llama import LlamaForCausalLM, Rotary
 
 @dataclass
 class StepOutput:
-    token_ids: list[int]
+    token_ids: list[int | None]  # per sequence; None: a prompt chunk that samples nothing yet
     exit_layers: list[int]  # 1-based layer each token came from (L = full depth)
     confidences: list[float]
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
@@ -108,15 +111,16 @@ class ModelRunner:
         bs = self.block_size
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def prepare(self, seqs: list[Sequence]) -> Batch:
+    def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> Batch:
         """Rows: each sequence's owed positions (``recompute`` debt), then its new positions."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         spans: list[SeqSpan] = []
         last_rows: list[int] = []
-        for seq in seqs:
-            start, end = seq.num_computed_tokens, seq.num_tokens
+        for seq, n in zip(seqs, num_tokens):
+            start = seq.num_computed_tokens
+            end = start + n
             pos = sorted(seq.kv_debt) + list(range(start, end))
             rows = list(range(len(ids), len(ids) + len(pos)))
             all_ids = seq.token_ids
@@ -155,12 +159,16 @@ class ModelRunner:
         """[S, D] final-normed hidden -> [S, V] float32 logits."""
         return self.lm_head(normed).float()  # type: ignore[no-any-return]
 
-    def _exit_batch(self, seqs: list[Sequence], batch: Batch) -> ExitBatch | None:
+    def _exit_batch(
+        self, seqs: list[Sequence], batch: Batch, sampling: list[bool]
+    ) -> ExitBatch | None:
         """Exit rules of this step, or None when every row runs to full depth."""
         if self.exit_policy == "none":
             return None
-        # The first token comes from the prefill, which never exits.
-        plans = [s.exit_plan if s.output_token_ids else None for s in seqs]
+        # The first token comes from the prefill, which never exits; a prompt chunk that stops
+        # short of the last token samples nothing and is no part of ``batch_all``'s batch.
+        decoding = [bool(s.output_token_ids) and ok for s, ok in zip(seqs, sampling)]
+        plans = [s.exit_plan if d else None for s, d in zip(seqs, decoding)]
         forced: dict[int, int] = {}
         passengers: dict[int, Passenger] = {}
         full = self.config.num_layers
@@ -175,8 +183,9 @@ class ModelRunner:
             return None
         last_pos = [span.q_positions[-1] for span in batch.meta.spans]
         fill = self.kv_fill == "fill"
+        prefill = {i for i, d in enumerate(decoding) if not d}
         return ExitBatch(
-            batch.last_rows, last_pos, plans, forced, self.exit_policy, fill, passengers
+            batch.last_rows, last_pos, plans, forced, self.exit_policy, fill, passengers, prefill
         )
 
     def release(self, seq_id: int) -> None:
@@ -185,14 +194,17 @@ class ModelRunner:
         self._debt_hidden.pop(seq_id, None)
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence]) -> StepOutput:
+    def execute(self, seqs: list[Sequence], num_tokens: list[int] | None = None) -> StepOutput:
+        """One forward pass; ``num_tokens`` per sequence (default: all its new positions)."""
         for seq in seqs:
             if not seq.kv_debt:  # paid, or dropped by preemption (recomputed at full depth)
                 self._debt_hidden.pop(seq.seq_id, None)
-        batch = self.prepare(seqs)
+        counts = num_tokens if num_tokens is not None else [s.num_new_tokens for s in seqs]
+        sampling = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts)]
+        batch = self.prepare(seqs, counts)
         full = self.config.num_layers
         kv_debt: dict[int, dict[int, int]] = {}
-        eb = self._exit_batch(seqs, batch)
+        eb = self._exit_batch(seqs, batch, sampling)
         if eb is None:
             normed, layers_run = self.forward(batch)
             logits = self.logits(normed)
@@ -207,14 +219,20 @@ class ModelRunner:
                 for seq, debt in zip(seqs, res.debts):
                     kv_debt[seq.seq_id] = {p: layer for p, (layer, _) in debt.items()}
                     self._debt_hidden[seq.seq_id] = {p: h for p, (_, h) in debt.items()}
+        if not all(sampling):  # prompt chunks draw nothing from their seeded generators
+            rows = [i for i, ok in enumerate(sampling) if ok]
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+            seqs = [seqs[i] for i in rows]
         tokens = self.sampler.sample(
             logits, [s.sampling_params for s in seqs], [s.seq_id for s in seqs]
         )
+        sampled = iter(tokens.tolist())
+        lps = iter(_logprobs(logits, seqs, tokens))
         return StepOutput(
-            token_ids=tokens.tolist(),
+            token_ids=[next(sampled) if ok else None for ok in sampling],
             exit_layers=exit_layers,
             confidences=confs,
-            logprobs=_logprobs(logits, seqs, tokens),
+            logprobs=[next(lps) if ok else None for ok in sampling],
             layers_run=layers_run,
             kv_debt=[kv_debt.get(s.seq_id) for s in seqs],
         )

@@ -1,11 +1,23 @@
 """Iteration-level (continuous) batching with a token budget and preemption by recomputation.
 
-Contract: each ``schedule()`` returns the sequences for one forward pass, either a prefill batch
-(new or resumed sequences; prefills go first so that waiting requests join as soon as they fit)
-or a decode batch (every running sequence, one token each). When a decode step cannot get a
-block, the most recently admitted sequence is preempted: its blocks are freed and it waits at
-the head of the queue to be recomputed later, so its output does not change. Requests that
-could never fit are refused by the engine before they get here.
+Contract: each ``schedule()`` returns the sequences of one forward pass and, per sequence, how
+many of its positions the pass computes (``num_tokens``); a sequence samples its next token in
+that pass only when those positions reach its last token.
+
+- Chunked prefill (``enable_chunked_prefill``, the default): one pass carries, first, one decode
+  row for every running sequence whose prompt is done (latency first: a decoding stream never
+  waits for a prompt), then prompt chunks of running sequences still prefilling, then of waiting
+  sequences admitted in arrival order, until ``max_num_batched_tokens`` positions (decode rows
+  count one each, plus owed ``recompute`` positions). A prompt longer than the budget is prefilled
+  over several passes; its blocks are reserved when it is admitted.
+- Without it: a pass is either a prefill batch (new or resumed sequences, whole prompts; prefills
+  go first so that waiting requests join as soon as they fit) or a decode batch (every running
+  sequence, one token each).
+
+When a decode row cannot get a block, the most recently admitted sequence is preempted: its
+blocks are freed and it waits at the head of the queue to be recomputed later (from its prefix
+cache hits, if any), so its output does not change. Requests that could never fit are refused
+by the engine before they get here.
 """
 
 from __future__ import annotations
@@ -21,12 +33,13 @@ from eeserve.engine.sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = False
 
 
 @dataclass
 class SchedulerOutput:
     seqs: list[Sequence]
-    is_prefill: bool
+    num_tokens: list[int]  # per sequence: positions this pass computes (its last ones if sampling)
     preempted: list[Sequence] = field(default_factory=list)
 
 
@@ -45,10 +58,41 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        if self.config.enable_chunked_prefill:
+            return self._schedule_mixed()
         prefill = self._schedule_prefill()
         if prefill:
-            return SchedulerOutput(prefill, is_prefill=True)
+            return SchedulerOutput(prefill, [s.num_new_tokens for s in prefill])
         return self._schedule_decode()
+
+    def _schedule_mixed(self) -> SchedulerOutput:
+        """Decode rows of every running sequence, then prompt chunks within the budget."""
+        decoding = [s for s in self.running if s.num_new_tokens == 1]
+        kept, preempted = self._reserve(decoding)
+        prefilling = [s for s in self.running if s.num_new_tokens > 1]
+        budget = self.config.max_num_batched_tokens - sum(1 + len(s.kv_debt) for s in kept)
+        seqs, counts = list(kept), [1] * len(kept)
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            seqs.append(seq)
+            counts.append(min(seq.num_new_tokens, budget))
+            budget -= counts[-1]
+        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            self._admit(seq)
+            seqs.append(seq)
+            counts.append(min(seq.num_new_tokens, budget))
+            budget -= counts[-1]
+        return SchedulerOutput(seqs, counts, preempted)
+
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.popleft()
+        self.block_manager.allocate(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
@@ -58,33 +102,38 @@ class Scheduler:
             too_big = scheduled and seq.num_tokens > budget
             if too_big or not self.block_manager.can_allocate(seq):
                 break
-            self.waiting.popleft()
-            self.block_manager.allocate(seq)
+            self._admit(seq)
             budget -= seq.num_new_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
             scheduled.append(seq)
         return scheduled
 
     def _schedule_decode(self) -> SchedulerOutput:
-        scheduled: list[Sequence] = []
+        scheduled, preempted = self._reserve(list(self.running))
+        return SchedulerOutput(scheduled, [1] * len(scheduled), preempted)
+
+    def _reserve(self, decoding: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """A block slot for the next token of each of ``decoding``; when none is left, the most
+        recently admitted running sequence (decoding or not) is preempted. Returns the decoding
+        sequences that got their slot, and the preempted ones."""
+        kept: list[Sequence] = []
         preempted: list[Sequence] = []
-        queue = list(self.running)
-        while queue:
-            seq = queue.pop(0)
+        queue = [s for s in self.running]  # admission order: victims come from the end
+        for seq in decoding:
+            if seq not in queue:
+                continue  # preempted to make room for an earlier one
             while not self.block_manager.can_append(seq):
-                victim = queue.pop() if queue else seq
+                victim = queue.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             else:
                 self.block_manager.append_slot(seq)
-                scheduled.append(seq)
-        self.running = list(scheduled)
-        return SchedulerOutput(scheduled, is_prefill=False, preempted=preempted)
+                kept.append(seq)
+        return kept, preempted
 
     def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
         self.block_manager.free(seq)
         # Recomputation at full prompt depth pays any outstanding KV debt.
         seq.kv_debt.clear()
