@@ -7,6 +7,12 @@ holds back the last ``longest stop string - 1`` characters while the choice runs
 later cut at a stop string is never sent. ``response(finals, prompt_lens)`` builds the
 non-streaming body; ``usage_chunk`` the final streamed usage. Exit statistics are reported per
 choice and over all choices (token-weighted); with logprobs, each token carries its exit layer.
+Every stream chunk's choice also carries ``exit_tokens`` (extension): one entry per token
+generated since the previous chunk, ``{"text", "exit_layer", "confidence"}``: ``text`` is what
+the token adds to the decoded output (``""`` for a special token, or for the first bytes of a
+character that a later token completes), ``confidence`` is ``null`` at full depth. It is sent as
+soon as the token exists, ahead of ``content`` held back for stop strings.
+``exit_config_summary(cfg, policy)`` is the body of ``GET /v1/eeserve/exit_config``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from eeserve.models.exit_config import ExitConfig
 from eeserve.outputs import CompletionOutput
 
 LOGPROB_FLOOR = -9999.0  # the sampled token was outside the top-n the engine reported
@@ -34,6 +41,23 @@ class TokenStrings:
         if s is None:
             s = self._cache[token_id] = str(self.tokenizer.decode([token_id]))
         return s
+
+
+def token_piece(
+    tokenizer: Any, ids: list[int], k: int, *, last: bool = False, window: int = 6
+) -> str:
+    """The text token ``k`` adds to ``decode(ids[:k + 1])`` (special tokens skipped).
+
+    Decodes a short window before it twice; an unfinished character (U+FFFD at the end) goes to
+    the token that completes it, or to the ``last`` token of a finished output (whose text ends
+    with it), so that the pieces of all tokens concatenate to the output text.
+    """
+    start = max(0, k - window)
+    full = str(tokenizer.decode(ids[start : k + 1], skip_special_tokens=True))
+    if not last:
+        full = full.rstrip("\ufffd")
+    before = str(tokenizer.decode(ids[start:k], skip_special_tokens=True)).rstrip("\ufffd")
+    return full[len(before) :] if full.startswith(before) else full
 
 
 def exit_stats(layer_lists: list[list[int]], num_layers: int) -> dict[str, Any]:
@@ -107,10 +131,11 @@ class Formatter:
         logprobs = None
         if self.top_logprobs is not None and new_tokens > 0:
             logprobs = self._logprobs(c, st.tokens, len(c.token_ids), st)
+        exit_tokens = self._exit_tokens(c, st.tokens, len(c.token_ids))
         st.tokens = len(c.token_ids)
         if finished:
             st.final = c
-        if not (delta or finished or logprobs):
+        if not (delta or finished or logprobs or exit_tokens):
             return None
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs}
         if self.kind == "completion":
@@ -118,6 +143,7 @@ class Formatter:
         else:
             choice["delta"] = {"content": delta} if delta else {}
         choice["finish_reason"] = _finish_reason(c.finish_reason)
+        choice["exit_tokens"] = exit_tokens
         if finished:
             choice["early_exit"] = exit_stats([c.exit_layers], self.num_layers)
         return self._envelope([choice], chunk=True)
@@ -167,6 +193,19 @@ class Formatter:
             "choices": choices,
         }
 
+    def _exit_tokens(self, c: CompletionOutput, a: int, b: int) -> list[dict[str, Any]]:
+        """Tokens a..b with where they left the model (the playground colours text by these)."""
+        out = []
+        for k in range(a, b):
+            layer = c.exit_layers[k] if k < len(c.exit_layers) else self.num_layers
+            conf = None
+            if layer < self.num_layers and k < len(c.exit_confidences):
+                conf = round(float(c.exit_confidences[k]), 4)
+            last = c.finish_reason is not None and k == len(c.token_ids) - 1
+            text = token_piece(self.strings.tokenizer, c.token_ids, k, last=last)
+            out.append({"text": text, "exit_layer": layer, "confidence": conf})
+        return out
+
     def _logprobs(self, c: CompletionOutput, a: int, b: int, st: _ChoiceState) -> dict[str, Any]:
         ids = c.token_ids[a:b]
         lps = (c.logprobs or [])[a:b]
@@ -205,6 +244,33 @@ class Formatter:
             "top_logprobs": top,
             "exit_layer": layer,
         }
+
+
+def exit_config_summary(cfg: ExitConfig, policy: str) -> dict[str, Any]:
+    """What a client needs to pick exit settings: layers, measures, defaults, calibrations."""
+    measures = ["softmax_margin", "max_prob", "hidden_cosine"]
+    if cfg.classifier:
+        measures.append("classifier")
+    calibrated = [
+        {
+            "measure": r.get("measure"),
+            "tolerance": r.get("delta"),
+            "threshold": r.get("threshold"),
+            "policy": r.get("policy"),
+        }
+        for r in cfg.calibration
+    ]
+    return {
+        "num_layers": cfg.num_layers,
+        "exit_layers": list(cfg.exit_layers),
+        "head": cfg.head,
+        "measures": measures,
+        "default_measure": cfg.default_measure,
+        "thresholds": dict(cfg.thresholds),
+        "calibrated": calibrated,
+        "enabled_by_default": cfg.enabled_by_default,
+        "exit_policy": policy,
+    }
 
 
 def _finish_reason(reason: str | None) -> str | None:
