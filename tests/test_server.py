@@ -258,6 +258,7 @@ BAD = [
     ("completions", {"early_exit": {"min_layer": 0}}, "early_exit.min_layer"),
     ("completions", {"early_exit": {"min_layer": 9}}, "early_exit.min_layer"),
     ("completions", {"early_exit": {"threshold": 0.5, "tolerance": 0.1}}, "early_exit"),
+    ("completions", {"early_exit": {"threshold": 5}}, "early_exit.threshold"),
     ("completions", {"prompt": [1, 2, 10**6]}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"seed": 2**70}, "seed"),

@@ -44,20 +44,26 @@ class TokenStrings:
 
 
 def token_piece(
-    tokenizer: Any, ids: list[int], k: int, *, last: bool = False, window: int = 6
-) -> str:
-    """The text token ``k`` adds to ``decode(ids[:k + 1])`` (special tokens skipped).
+    tokenizer: Any, ids: list[int], k: int, anchor: int, done: int, *, last: bool = False
+) -> tuple[str, bool]:
+    """(the text token ``k`` adds to ``decode(ids[:k + 1])``, whether that text is complete).
 
-    Decodes a short window before it twice; an unfinished character (U+FFFD at the end) goes to
-    the token that completes it, or to the ``last`` token of a finished output (whose text ends
-    with it), so that the pieces of all tokens concatenate to the output text.
+    ``anchor``: the first token after the last complete character; ``done``: the characters the
+    pieces of tokens before ``k`` hold. Usually two short decodes from one token before the
+    anchor (so that a tokenizer's start-of-text quirks, like a dropped leading space, cancel);
+    around U+FFFD (an unfinished or invalid character) one decode of the whole output, so that
+    the pieces always concatenate to the output text exactly. An unfinished character goes to
+    the token that completes it, or to the ``last`` token of a finished output. Special tokens
+    add nothing.
     """
-    start = max(0, k - window)
+    start = max(0, anchor - 1)
     full = str(tokenizer.decode(ids[start : k + 1], skip_special_tokens=True))
-    if not last:
-        full = full.rstrip("\ufffd")
-    before = str(tokenizer.decode(ids[start:k], skip_special_tokens=True)).rstrip("\ufffd")
-    return full[len(before) :] if full.startswith(before) else full
+    before = str(tokenizer.decode(ids[start:k], skip_special_tokens=True))
+    if "\ufffd" not in full and full.startswith(before):
+        return full[len(before) :], True
+    text = str(tokenizer.decode(ids[: k + 1], skip_special_tokens=True))
+    complete = last or not text.endswith("\ufffd")
+    return (text if last else text.rstrip("\ufffd"))[done:], complete
 
 
 def exit_stats(layer_lists: list[list[int]], num_layers: int) -> dict[str, Any]:
@@ -82,6 +88,8 @@ class _ChoiceState:
     tokens: int = 0
     text_offset: int = 0
     final: CompletionOutput | None = None
+    piece_anchor: int = 0  # token_piece's state for exit_tokens: anchor token, characters done
+    piece_chars: int = 0
 
 
 class Formatter:
@@ -131,7 +139,7 @@ class Formatter:
         logprobs = None
         if self.top_logprobs is not None and new_tokens > 0:
             logprobs = self._logprobs(c, st.tokens, len(c.token_ids), st)
-        exit_tokens = self._exit_tokens(c, st.tokens, len(c.token_ids))
+        exit_tokens = self._exit_tokens(c, st.tokens, len(c.token_ids), st)
         st.tokens = len(c.token_ids)
         if finished:
             st.final = c
@@ -193,7 +201,9 @@ class Formatter:
             "choices": choices,
         }
 
-    def _exit_tokens(self, c: CompletionOutput, a: int, b: int) -> list[dict[str, Any]]:
+    def _exit_tokens(
+        self, c: CompletionOutput, a: int, b: int, st: _ChoiceState
+    ) -> list[dict[str, Any]]:
         """Tokens a..b with where they left the model (the playground colours text by these)."""
         out = []
         for k in range(a, b):
@@ -202,7 +212,12 @@ class Formatter:
             if layer < self.num_layers and k < len(c.exit_confidences):
                 conf = round(float(c.exit_confidences[k]), 4)
             last = c.finish_reason is not None and k == len(c.token_ids) - 1
-            text = token_piece(self.strings.tokenizer, c.token_ids, k, last=last)
+            text, complete = token_piece(
+                self.strings.tokenizer, c.token_ids, k, st.piece_anchor, st.piece_chars, last=last
+            )
+            st.piece_chars += len(text)
+            if complete:
+                st.piece_anchor = k + 1
             out.append({"text": text, "exit_layer": layer, "confidence": conf})
         return out
 
