@@ -348,3 +348,20 @@ def test_phone_width(server: Server, driver: Any) -> None:
         assert page.el("send").is_displayed()
     finally:
         driver.set_window_size(1280, 900)
+
+
+@browser
+def test_hover_shows_speculative_fields_when_present(server: Server, driver: Any) -> None:
+    """A `draft` object (speculative decoding) in an entry is shown; without it nothing breaks."""
+    Page(driver, server.base)
+    drafted = {"text": "x", "exit_layer": 10, "confidence": 0.91234, "draft": {"accepted": False}}
+    plain = {"text": "y", "exit_layer": 30, "confidence": None}
+    info = driver.execute_async_script(
+        "const [a, b, done] = arguments;"
+        "import('/ui/render.js').then(m => done([m.tokenInfo(a, 30), m.tokenInfo(b, 30)]));",
+        drafted,
+        plain,
+    )
+    lines = info[0].split("\n")
+    assert lines == ["exit layer 10 of 30", "confidence 0.912", "draft accepted: false"]
+    assert info[1] == "full depth (layer 30)"

@@ -26,7 +26,8 @@ function lcsLength(a, b) {
 
 export function speedLine(result) {
   const parts = [`${result.tokens} tokens in ${result.seconds.toFixed(2)} s`];
-  parts.push(`${result.tokensPerSecond.toFixed(1)} tokens/s`);
+  parts.push(`first after ${result.firstToken.toFixed(2)} s`);
+  parts.push(`${result.tokensPerSecond.toFixed(1)} tokens/s after it`);
   if (result.stats) parts.push(`mean exit layer ${result.stats.mean_exit_layer.toFixed(1)}`);
   return parts.join(" · ");
 }
@@ -66,7 +67,7 @@ export function showComparison(el, early) {
       summary.dataset.rougeL = rouge.toFixed(4);
       summary.textContent =
         `ROUGE-L (early exit vs full depth): ${rouge.toFixed(3)} · ` +
-        `speed ratio ${speedup.toFixed(2)}× (tokens/s measured in this page)`;
+        `decode speed ratio ${speedup.toFixed(2)}× (tokens/s measured in this page)`;
     },
   };
 }
