@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+CHROMIUM := /usr/bin/chromium
+CHROMEDRIVER := /usr/bin/chromedriver
 
-.PHONY: demo test lint bench fetch tune-default
+.PHONY: demo test lint bench fetch tune-default browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +28,20 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check eeserve tests
 	$(BIN)/mypy eeserve
 
-test: fetch lint
+# Headless Chromium for the playground's browser tests (tests/test_playground.py). Installed with
+# apt where it is missing and apt-get can run (root); elsewhere those tests skip, saying why.
+browser:
+	@if [ ! -x $(CHROMIUM) ] || [ ! -x $(CHROMEDRIVER) ]; then \
+		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+			(apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+				apt-get install -y -q chromium chromium-driver) \
+			|| echo "chromium not installed: the browser tests will skip"; \
+		else \
+			echo "no $(CHROMIUM) and no root apt-get: the browser tests will skip"; \
+		fi; \
+	fi
+
+test: fetch lint browser
 	$(BIN)/python -m pytest -q tests
 
 bench: fetch

@@ -12,9 +12,6 @@ import json
 import math
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -25,11 +22,12 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
+from tests.live_server import Server
+
 openai = pytest.importorskip("openai")
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 256
-HOST = "127.0.0.1"
 PROMPTS = [
     "The quick brown fox",
     "Paris is the capital",
@@ -40,48 +38,6 @@ PROMPTS = [
     "The lazy dog",
     "four five six",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    def __init__(self, model_dir: Path, *extra: str) -> None:
-        self.model = str(model_dir)
-        self.port = _free_port()
-        self.base = f"http://{HOST}:{self.port}"
-        cmd = [sys.executable, "-m", "eeserve.server", self.model, "--host", HOST]
-        cmd += ["--port", str(self.port), "--kv-cache-memory", "8000000", *extra]
-        self.log = open(model_dir.parent / f"server-{self.port}.log", "w+b")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.output()
-            try:
-                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.proc.kill()
-        raise AssertionError(f"server did not start:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-5000:]
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"server did not exit:\n{self.output()}") from None
 
 
 @pytest.fixture(scope="module")
@@ -327,6 +283,7 @@ BAD = [
     ("completions", {"early_exit": {"min_layer": 0}}, "early_exit.min_layer"),
     ("completions", {"early_exit": {"min_layer": 9}}, "early_exit.min_layer"),
     ("completions", {"early_exit": {"threshold": 0.5, "tolerance": 0.1}}, "early_exit"),
+    ("completions", {"early_exit": {"threshold": 5}}, "early_exit.threshold"),
     ("completions", {"prompt": [1, 2, 10**6]}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"seed": 2**70}, "seed"),

@@ -3,12 +3,14 @@
 Contract: ``create_app(engine, ...)`` wraps an ``LLMEngine`` (which it then owns: from startup on
 only the app's engine thread touches it) and returns an ASGI app serving
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text) and the OpenAPI docs at ``/docs``. The engine thread starts in
-the lifespan startup and stops at shutdown. With ``api_key`` every path except ``/health``
-needs ``Authorization: Bearer <api_key>`` (401 otherwise). Every error, including malformed JSON,
-a missing field, a wrong type and an out-of-range value, is answered with
-``{"error": {"message", "type", "param", "code"}}``; validation problems are 400s whose
-``param`` names the field.
+``GET /metrics`` (Prometheus text), ``GET /v1/eeserve/exit_config`` (the model's exit layers,
+measures, default and calibrated thresholds), the OpenAPI docs at ``/docs`` and, unless
+``ui=False``, the playground page at ``/`` (``server.ui``). The engine thread starts in
+the lifespan startup and stops at shutdown. With ``api_key`` every path except ``/health`` and
+the playground's static files needs ``Authorization: Bearer <api_key>`` (401 otherwise).
+Every error, including malformed JSON, a missing field, a wrong type and an out-of-range
+value, is answered with ``{"error": {"message", "type", "param", "code"}}``; validation
+problems are 400s whose ``param`` names the field.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from eeserve import __version__
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.server.engine_loop import EngineLoop
-from eeserve.server.formatting import TokenStrings
+from eeserve.server.formatting import TokenStrings, exit_config_summary
 from eeserve.server.metrics import ServerMetrics
 from eeserve.server.protocol import (
     ChatCompletionRequest,
@@ -40,6 +42,7 @@ from eeserve.server.protocol import (
     ErrorResponse,
 )
 from eeserve.server.serving import ApiError, ServingContext, error_body, generate
+from eeserve.server.ui import UI_PATHS, UI_PREFIX, add_ui_routes
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ def create_app(
     *,
     model_names: list[str] | None = None,
     api_key: str | None = None,
+    ui: bool = True,
 ) -> FastAPI:
     num_layers = engine.model_config.num_layers
     metrics = ServerMetrics(num_layers)
@@ -68,6 +72,7 @@ def create_app(
         model_names=list(model_names or [str(engine.config.model)]),
         max_model_len=engine.max_model_len,
         num_layers=num_layers,
+        exit_config=exit_config_summary(engine.exit_config, engine.config.exit_policy),
     )
 
     @asynccontextmanager
@@ -88,9 +93,13 @@ def create_app(
     app.state.ctx = ctx
     app.state.engine_loop = engine_loop
     if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key, exempt=("/health",))
+        exempt = ("/health", *UI_PATHS) if ui else ("/health",)
+        prefixes = (UI_PREFIX,) if ui else ()
+        app.add_middleware(BearerAuth, api_key=api_key, exempt=exempt, exempt_prefixes=prefixes)
     _install_error_handlers(app, metrics)
     _add_routes(app, ctx)
+    if ui:
+        add_ui_routes(app)
     return app
 
 
@@ -127,6 +136,11 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
             for name in ctx.model_names
         ]
         return {"object": "list", "data": data}
+
+    @app.get("/v1/eeserve/exit_config")
+    async def exit_config() -> dict[str, Any]:
+        """Extension: exit layers, measures, default thresholds and calibrated tolerances."""
+        return ctx.exit_config
 
     @app.get("/health")
     async def health() -> Response:
@@ -211,13 +225,25 @@ def _param(loc: tuple[Any, ...]) -> str | None:
 class BearerAuth:
     """Pure ASGI middleware (streaming-safe): a bearer token on every path but the exempt."""
 
-    def __init__(self, app: ASGIApp, api_key: str, exempt: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str,
+        exempt: tuple[str, ...] = (),
+        exempt_prefixes: tuple[str, ...] = (),
+    ) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
         self.exempt = exempt
+        self.exempt_prefixes = exempt_prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.exempt:
+        path = scope.get("path", "")
+        if (
+            scope["type"] != "http"
+            or path in self.exempt
+            or any(path.startswith(p) for p in self.exempt_prefixes)
+        ):
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers") or []).get(b"authorization", b"")

@@ -7,6 +7,12 @@ holds back the last ``longest stop string - 1`` characters while the choice runs
 later cut at a stop string is never sent. ``response(finals, prompt_lens)`` builds the
 non-streaming body; ``usage_chunk`` the final streamed usage. Exit statistics are reported per
 choice and over all choices (token-weighted); with logprobs, each token carries its exit layer.
+Every stream chunk's choice also carries ``exit_tokens`` (extension): one entry per token
+generated since the previous chunk, ``{"text", "exit_layer", "confidence"}``: ``text`` is what
+the token adds to the decoded output (``""`` for a special token, or for the first bytes of a
+character that a later token completes), ``confidence`` is ``null`` at full depth. It is sent as
+soon as the token exists, ahead of ``content`` held back for stop strings.
+``exit_config_summary(cfg, policy)`` is the body of ``GET /v1/eeserve/exit_config``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from eeserve.models.exit_config import ExitConfig
 from eeserve.outputs import CompletionOutput
 
 LOGPROB_FLOOR = -9999.0  # the sampled token was outside the top-n the engine reported
@@ -34,6 +41,29 @@ class TokenStrings:
         if s is None:
             s = self._cache[token_id] = str(self.tokenizer.decode([token_id]))
         return s
+
+
+def token_piece(
+    tokenizer: Any, ids: list[int], k: int, anchor: int, done: int, *, last: bool = False
+) -> tuple[str, bool]:
+    """(the text token ``k`` adds to ``decode(ids[:k + 1])``, whether that text is complete).
+
+    ``anchor``: the first token after the last complete character; ``done``: the characters the
+    pieces of tokens before ``k`` hold. Usually two short decodes from one token before the
+    anchor (so that a tokenizer's start-of-text quirks, like a dropped leading space, cancel);
+    around U+FFFD (an unfinished or invalid character) one decode of the whole output, so that
+    the pieces always concatenate to the output text exactly. An unfinished character goes to
+    the token that completes it, or to the ``last`` token of a finished output. Special tokens
+    add nothing.
+    """
+    start = max(0, anchor - 1)
+    full = str(tokenizer.decode(ids[start : k + 1], skip_special_tokens=True))
+    before = str(tokenizer.decode(ids[start:k], skip_special_tokens=True))
+    if "\ufffd" not in full and full.startswith(before):
+        return full[len(before) :], True
+    text = str(tokenizer.decode(ids[: k + 1], skip_special_tokens=True))
+    complete = last or not text.endswith("\ufffd")
+    return (text if last else text.rstrip("\ufffd"))[done:], complete
 
 
 def exit_stats(layer_lists: list[list[int]], num_layers: int) -> dict[str, Any]:
@@ -58,6 +88,8 @@ class _ChoiceState:
     tokens: int = 0
     text_offset: int = 0
     final: CompletionOutput | None = None
+    piece_anchor: int = 0  # token_piece's state for exit_tokens: anchor token, characters done
+    piece_chars: int = 0
 
 
 class Formatter:
@@ -107,10 +139,11 @@ class Formatter:
         logprobs = None
         if self.top_logprobs is not None and new_tokens > 0:
             logprobs = self._logprobs(c, st.tokens, len(c.token_ids), st)
+        exit_tokens = self._exit_tokens(c, st.tokens, len(c.token_ids), st)
         st.tokens = len(c.token_ids)
         if finished:
             st.final = c
-        if not (delta or finished or logprobs):
+        if not (delta or finished or logprobs or exit_tokens):
             return None
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs}
         if self.kind == "completion":
@@ -118,6 +151,7 @@ class Formatter:
         else:
             choice["delta"] = {"content": delta} if delta else {}
         choice["finish_reason"] = _finish_reason(c.finish_reason)
+        choice["exit_tokens"] = exit_tokens
         if finished:
             choice["early_exit"] = exit_stats([c.exit_layers], self.num_layers)
         return self._envelope([choice], chunk=True)
@@ -167,6 +201,26 @@ class Formatter:
             "choices": choices,
         }
 
+    def _exit_tokens(
+        self, c: CompletionOutput, a: int, b: int, st: _ChoiceState
+    ) -> list[dict[str, Any]]:
+        """Tokens a..b with where they left the model (the playground colours text by these)."""
+        out = []
+        for k in range(a, b):
+            layer = c.exit_layers[k] if k < len(c.exit_layers) else self.num_layers
+            conf = None
+            if layer < self.num_layers and k < len(c.exit_confidences):
+                conf = round(float(c.exit_confidences[k]), 4)
+            last = c.finish_reason is not None and k == len(c.token_ids) - 1
+            text, complete = token_piece(
+                self.strings.tokenizer, c.token_ids, k, st.piece_anchor, st.piece_chars, last=last
+            )
+            st.piece_chars += len(text)
+            if complete:
+                st.piece_anchor = k + 1
+            out.append({"text": text, "exit_layer": layer, "confidence": conf})
+        return out
+
     def _logprobs(self, c: CompletionOutput, a: int, b: int, st: _ChoiceState) -> dict[str, Any]:
         ids = c.token_ids[a:b]
         lps = (c.logprobs or [])[a:b]
@@ -205,6 +259,33 @@ class Formatter:
             "top_logprobs": top,
             "exit_layer": layer,
         }
+
+
+def exit_config_summary(cfg: ExitConfig, policy: str) -> dict[str, Any]:
+    """What a client needs to pick exit settings: layers, measures, defaults, calibrations."""
+    measures = ["softmax_margin", "max_prob", "hidden_cosine"]
+    if cfg.classifier:
+        measures.append("classifier")
+    calibrated = [
+        {
+            "measure": r.get("measure"),
+            "tolerance": r.get("delta"),
+            "threshold": r.get("threshold"),
+            "policy": r.get("policy"),
+        }
+        for r in cfg.calibration
+    ]
+    return {
+        "num_layers": cfg.num_layers,
+        "exit_layers": list(cfg.exit_layers),
+        "head": cfg.head,
+        "measures": measures,
+        "default_measure": cfg.default_measure,
+        "thresholds": dict(cfg.thresholds),
+        "calibrated": calibrated,
+        "enabled_by_default": cfg.enabled_by_default,
+        "exit_policy": policy,
+    }
 
 
 def _finish_reason(reason: str | None) -> str | None:

@@ -26,7 +26,8 @@ from eeserve.server.app import create_app
 
 DESCRIPTION = (
     "Serve MODEL over an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions "
-    "(streaming with SSE), /v1/models, /health, /metrics (Prometheus), docs at /docs. "
+    "(streaming with SSE), /v1/models, /health, /metrics (Prometheus), docs at /docs, "
+    "a playground page at / (see docs/playground.md). "
     "Requests may carry an `early_exit` object {enabled, threshold | tolerance, measure, "
     "min_layer}; responses report the mean exit layer and the fraction of layers saved."
 )
@@ -57,6 +58,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="name(s) clients use in `model` (default: the MODEL argument); repeatable",
     )
     p.add_argument(
+        "--no-ui",
+        action="store_true",
+        help="do not serve the playground page at / (the API is unchanged)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -74,7 +80,10 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     engine = LLMEngine(engine_config(args))
     app = create_app(
-        engine, model_names=args.served_model_name or [args.model], api_key=args.api_key
+        engine,
+        model_names=args.served_model_name or [args.model],
+        api_key=args.api_key,
+        ui=not args.no_ui,
     )
     config = uvicorn.Config(
         app,

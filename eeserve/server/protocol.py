@@ -31,6 +31,19 @@ class EarlyExitOptions(_Strict):
     measure: Literal["softmax_margin", "max_prob", "hidden_cosine", "classifier"] | None = None
     min_layer: int = Field(1, ge=1, description="no exit below this layer (1-based)")
 
+    @field_validator("threshold")
+    @classmethod
+    def _in_measure_range(cls, v: float | list[float] | None) -> float | list[float] | None:
+        # Every measure lies in [-1, 1] (cosine) or [0, 1]: anything else is a typo, not a setting.
+        values = v if isinstance(v, list) else [] if v is None else [v]
+        bad = [t for t in values if not -1 <= t <= 1]
+        if bad:
+            raise ValueError(
+                f"threshold must lie in [-1, 1] (confidence measures do), got {bad[0]}; "
+                "to run at full depth send enabled=false"
+            )
+        return v
+
     @model_validator(mode="after")
     def _one_criterion(self) -> EarlyExitOptions:
         if self.threshold is not None and self.tolerance is not None:

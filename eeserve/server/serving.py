@@ -84,6 +84,7 @@ class ServingContext:
     model_names: list[str]
     max_model_len: int
     num_layers: int
+    exit_config: dict[str, Any]  # GET /v1/eeserve/exit_config (formatting.exit_config_summary)
 
 
 # -- request -> engine requests -----------------------------------------------------------------
