@@ -25,6 +25,7 @@ from eeserve.models.exit_heads import (
     save_sidecar,
 )
 from eeserve.models.loader import load_model
+from eeserve.tuning import base_delta as base_delta_mod
 from eeserve.tuning.base_delta import attach_adapters, train_base_delta
 from eeserve.tuning.data import Group, collect
 from eeserve.tuning.heads import init_heads
@@ -194,14 +195,35 @@ def _train(
     return delta, stats
 
 
-def test_training_is_deterministic_and_resumes(tiny_varied_dir: Path, tmp_path: Path) -> None:
-    a, _ = _train(tiny_varied_dir, None)
-    b, _ = _train(tiny_varied_dir, tmp_path / "ckpt", checkpoint_every=2)
+def test_training_is_deterministic_and_resumes(
+    tiny_varied_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, stats = _train(tiny_varied_dir, None)
+    assert stats["steps"] == 3
     assert any(float(v.abs().max()) > 0 for k, v in a.tensors.items() if k.endswith("lora_B"))
+    b, _ = _train(tiny_varied_dir, None)
     assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
-    # A finished run is loaded from its checkpoint, not retrained (no step runs again).
-    c, _ = _train(tiny_varied_dir, tmp_path / "ckpt", checkpoint_every=2, lora_lr=1.0)
+    # Interrupted in its third step (two checkpoints written), then rerun: the same delta.
+    calls = []
+    real = base_delta_mod.step_loss
+
+    def failing(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(base_delta_mod, "step_loss", failing)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tiny_varied_dir, tmp_path / "ckpt", checkpoint_every=1)
+    monkeypatch.setattr(base_delta_mod, "step_loss", real)
+    c, _ = _train(tiny_varied_dir, tmp_path / "ckpt", checkpoint_every=1)
     assert all(torch.equal(a.tensors[k], c.tensors[k]) for k in a.tensors)
+    # A finished run is loaded from its checkpoint, not retrained (no step runs again).
+    monkeypatch.setattr(base_delta_mod, "step_loss", failing)
+    d, _ = _train(tiny_varied_dir, tmp_path / "ckpt", checkpoint_every=1)
+    assert len(calls) == 3
+    assert all(torch.equal(a.tensors[k], d.tensors[k]) for k in a.tensors)
 
 
 def test_training_lowers_the_exit_loss_and_holds_the_final(tiny_varied_dir: Path) -> None:

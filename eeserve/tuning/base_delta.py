@@ -41,7 +41,6 @@ from eeserve.models.llama import LlamaForCausalLM, Rotary
 from eeserve.tuning.data import Group, Packed, pack_groups, run_layers
 from eeserve.tuning.heads import TuneOptions, candidates, init_heads, sampled_kl, schedule
 
-JOINT_HEAD_LR = 1e-3  # the auxiliary heads' AdamW rate (raw inputs, unlike ``heads.train_head``)
 CHECKPOINT = "delta.pt"
 
 
@@ -244,7 +243,7 @@ def _train(
     ]
     opt = torch.optim.AdamW(
         groups_,
-        lr=JOINT_HEAD_LR,
+        lr=opts.joint_head_lr,  # the auxiliary heads: raw inputs, unlike ``heads.train_head``
         weight_decay=0.0,
     )
     batches = plan_batches(groups, opts.base_batch_tokens, opts.seed)

@@ -33,6 +33,7 @@ _KNOBS = {  # TuneOptions fields set from the command line, with their help
     "lora_alpha": "--train-base lora: the delta is scaled by alpha / rank",
     "lora_lr": "--train-base lora: peak learning rate of the base delta",
     "final_weight": "--train-base: loss weight of KL(original final || variant final)",
+    "joint_head_lr": "--train-base: learning rate of the exit heads trained with the delta",
     "base_batch_tokens": "--train-base: tokens per base-delta training step",
     "checkpoint_every": "--train-base: steps between base-delta checkpoints",
 }

@@ -76,6 +76,7 @@ class TuneOptions:
     lora_alpha: float = 32.0  # the delta is scaled by lora_alpha / lora_rank
     lora_lr: float = 2e-4
     final_weight: float = 8.0  # weight of KL(original final || variant final) in the loss
+    joint_head_lr: float = 1e-3  # the delta's auxiliary linear exit heads (raw inputs)
     layer_weights: list[float] | None = None  # per exit layer; default l / L (CALM)
     base_batch_tokens: int = 512  # tokens (prompt and continuation) per delta training step
     checkpoint_every: int = 50  # delta training steps between checkpoints
@@ -109,6 +110,7 @@ BASE_FIELDS = (
     "lora_alpha",
     "lora_lr",
     "final_weight",
+    "joint_head_lr",
     "layer_weights",
     "base_batch_tokens",
 )

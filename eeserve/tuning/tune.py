@@ -84,15 +84,7 @@ def tune(opts: TuneOptions) -> dict[str, Any]:
     train, probe, heldout = collect_splits(
         model, train_groups, heldout_groups, layers, opts.topk, opts.probe_fraction, mid
     )
-    ranks = {"lowrank": opts.rank, "mlp": opts.rank, "layer": model.config.intermediate_size}
-    cfg = ExitConfig(
-        num_layers=num_layers,
-        exit_layers=layers,
-        head="tuned",
-        adapter=opts.adapter,
-        adapter_rank=ranks.get(opts.adapter, 0),
-        classifier=True,
-    )
+    cfg = _head_config(opts, num_layers, layers, model.config.intermediate_size)
     heads = init_heads(cfg, model)
     t_train = time.perf_counter()
     stats = tune_layers(model, heads, train, probe, opts, cache / f"heads-{opts.key()}")
@@ -116,6 +108,18 @@ def tune(opts: TuneOptions) -> dict[str, Any]:
         cfg.base_delta = {"base_model_hash": variant.base_model_hash}
     _save(opts.out, cfg, heads, report, variant)
     return report
+
+
+def _head_config(opts: TuneOptions, num_layers: int, layers: list[int], mlp: int) -> ExitConfig:
+    ranks = {"lowrank": opts.rank, "mlp": opts.rank, "layer": mlp}
+    return ExitConfig(
+        num_layers=num_layers,
+        exit_layers=layers,
+        head="tuned",
+        adapter=opts.adapter,
+        adapter_rank=ranks.get(opts.adapter, 0),
+        classifier=True,
+    )
 
 
 def _save(
