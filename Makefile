@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 CHROMIUM := /usr/bin/chromium
 CHROMEDRIVER := /usr/bin/chromedriver
 
-.PHONY: demo test lint bench fetch tune-default browser
+.PHONY: demo test lint bench fetch tune-default tune-default-ee browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,3 +51,11 @@ bench: fetch
 # distillation, probes, held-out report (tune_report.md). About 25 minutes on 2 CPU cores.
 tune-default: fetch
 	$(BIN)/eeserve tune-exits smollm2 --exit-layers 6,10,14,18,22,26 --out eeserve/data/smollm2 --seed 0
+
+# The default model trained to exit (`LLM("smollm2-ee")`, eeserve/data/smollm2-ee): a rank-16 base
+# delta distilled from the frozen original jointly with exit heads, then heads, probes and the
+# report on that variant (docs/trained-variant.md). Hours on 2 CPU cores; resumable (rerun it).
+tune-default-ee: fetch
+	$(BIN)/eeserve tune-exits smollm2 --train-base lora --exit-layers 6,10,14,18,22,26 \
+		--out eeserve/data/smollm2-ee --seed 0 --base-tokens 200000 --lora-rank 16 \
+		--lora-lr 2e-4 --final-weight 8

@@ -22,7 +22,7 @@ from eeserve.engine.scheduler import Scheduler, SchedulerConfig
 from eeserve.engine.sequence import Sequence
 from eeserve.exit_params import ExitParams
 from eeserve.models.exit_heads import load_exit_setup
-from eeserve.models.loader import load_model, packaged_sidecar, resolve_model
+from eeserve.models.loader import load_model, resolve_model, sidecar_folders
 from eeserve.outputs import CompletionOutput, ExitStats, RequestOutput
 from eeserve.sampling_params import SamplingParams
 
@@ -74,9 +74,15 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, budget, config.enable_chunked_prefill),
             self.block_manager,
         )
-        sidecars = [folder] + [p for p in [packaged_sidecar(config.model)] if p is not None]
+        # A sidecar with a base delta (a model trained to exit) is merged into ``model`` here,
+        # before the runner packs the weights: full depth then runs at the original's speed.
         self.exit_config, heads = load_exit_setup(
-            sidecars, mcfg.num_layers, mcfg.hidden_size, mcfg.rms_norm_eps
+            sidecar_folders(config.model, folder),
+            mcfg.num_layers,
+            mcfg.hidden_size,
+            mcfg.rms_norm_eps,
+            model=model,
+            base=folder,
         )
         self.runner = ModelRunner(
             model,

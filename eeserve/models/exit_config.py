@@ -1,8 +1,9 @@
 """The model's exit-head description: the JSON half of the exit sidecar (``exit_config.json``).
 
 Contract: ``ExitConfig`` is plain data (exit layers, head kind, adapter, probes, thresholds per
-measure, calibration records, whether exits are on by default); ``default_shared_exit_layers``
-gives the exit layers used when a model has no sidecar.
+measure, calibration records, whether exits are on by default and, for a model trained to exit,
+its base delta); ``default_shared_exit_layers`` gives the exit layers used when a model has no
+sidecar.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ class ExitConfig:
     thresholds: dict[str, float | list[float]] = field(default_factory=dict)
     calibration: list[dict[str, object]] = field(default_factory=list)
     enabled_by_default: bool = False
+    # Sidecar v2, a model trained to exit (``models.base_delta``): {"rank", "scale", "file",
+    # "base_model_hash"}; None: the base weights are used as they are.
+    base_delta: dict[str, str | int | float] | None = None
 
 
 def default_shared_exit_layers(num_layers: int) -> list[int]:

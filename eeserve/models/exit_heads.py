@@ -3,7 +3,9 @@
 Contract: ``ExitHeads`` holds, per exit layer, an optional own RMSNorm and adapter (``tuned``
 heads) and an optional classifier probe; the vocabulary projection is always the model's own,
 frozen LM head, passed in by the caller. ``load_sidecar``/``save_sidecar`` read and write the
-format documented in the README; the base model's weights are never touched.
+format documented in docs/ (version 2; version 1, without a base delta, still loads). The base
+model's weight files are never touched; a version-2 sidecar of a model trained to exit carries a
+base delta (``models.base_delta``) that ``load_exit_setup`` merges into the loaded model.
 
 Adapter kinds: ``none|linear|lowrank|mlp`` are residual adapters applied to h_l, the hidden state
 after exit layer l. ``layer`` (EE-Tuning's "layer" head) is decoder layer l + 1 with its
@@ -26,12 +28,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from eeserve.models.base_delta import DELTA_NAME, BaseDelta, apply_sidecar_delta, save_base_delta
 from eeserve.models.exit_config import ExitConfig, default_shared_exit_layers
-from eeserve.models.llama import LlamaMLP, RMSNorm
+from eeserve.models.llama import LlamaForCausalLM, LlamaMLP, RMSNorm
 
 CONFIG_NAME = "exit_config.json"
 WEIGHTS_NAME = "exit_heads.safetensors"
-FORMAT = "eeserve-exit-heads/1"
+FORMAT = "eeserve-exit-heads/2"
+FORMATS = ("eeserve-exit-heads/1", FORMAT)  # what loads; 2 added the base delta
 ADAPTERS = ("none", "linear", "lowrank", "mlp", "layer")
 
 
@@ -137,8 +141,9 @@ def load_sidecar(folder: Path) -> tuple[ExitConfig, dict[str, torch.Tensor]] | N
     if not cfg_path.exists():
         return None
     raw = json.loads(cfg_path.read_text())
-    if raw.pop("format", FORMAT) != FORMAT:
-        raise ValueError(f"{cfg_path}: unsupported exit sidecar format")
+    fmt = raw.pop("format", FORMATS[0])
+    if fmt not in FORMATS:
+        raise ValueError(f"{cfg_path}: unsupported exit sidecar format {fmt!r}, want {FORMATS}")
     cfg = ExitConfig(**raw)
     weights: dict[str, torch.Tensor] = {}
     if (folder / WEIGHTS_NAME).exists():
@@ -148,8 +153,18 @@ def load_sidecar(folder: Path) -> tuple[ExitConfig, dict[str, torch.Tensor]] | N
     return cfg, weights
 
 
-def save_sidecar(folder: Path, cfg: ExitConfig, heads: ExitHeads | None) -> None:
+def save_sidecar(
+    folder: Path, cfg: ExitConfig, heads: ExitHeads | None, delta: BaseDelta | None = None
+) -> None:
+    """Write the sidecar; with ``delta`` also its file, recorded in ``cfg.base_delta`` (which must
+    already hold the ``base_model_hash``)."""
     folder.mkdir(parents=True, exist_ok=True)
+    if delta is not None:
+        if not cfg.base_delta or "base_model_hash" not in cfg.base_delta:
+            raise ValueError("cfg.base_delta must name the base_model_hash the delta belongs to")
+        cfg.base_delta = {**cfg.base_delta, "rank": delta.rank, "scale": delta.scale}
+        cfg.base_delta["file"] = DELTA_NAME
+        save_base_delta(folder / DELTA_NAME, delta)
     (folder / CONFIG_NAME).write_text(json.dumps({"format": FORMAT, **asdict(cfg)}, indent=2))
     if heads is not None:
         from safetensors.torch import save_file
@@ -175,9 +190,17 @@ def build_exit_heads(
 
 
 def load_exit_setup(
-    folders: list[Path], num_layers: int, dim: int, eps: float
+    folders: list[Path],
+    num_layers: int,
+    dim: int,
+    eps: float,
+    model: LlamaForCausalLM | None = None,
+    base: Path | None = None,
 ) -> tuple[ExitConfig, ExitHeads | None]:
-    """The first sidecar found in ``folders`` (model folder first), else shared-head exits."""
+    """The first sidecar found in ``folders`` (model folder first), else shared-head exits.
+
+    A sidecar with a base delta is merged into ``model`` (loaded from ``base``, unpacked) here,
+    after checking that ``base`` holds the weights it was trained from."""
     for folder in folders:
         found = load_sidecar(folder)
         if found is not None:
@@ -186,5 +209,9 @@ def load_exit_setup(
                 raise ValueError(
                     f"{folder}: exit sidecar is for {cfg.num_layers} layers, model has {num_layers}"
                 )
+            if cfg.base_delta:
+                if model is None or base is None:
+                    raise ValueError(f"{folder}: a sidecar with a base delta needs the model")
+                apply_sidecar_delta(model, cfg, folder, base)
             return cfg, build_exit_heads(cfg, weights, dim, eps)
     return ExitConfig(num_layers, default_shared_exit_layers(num_layers)), None

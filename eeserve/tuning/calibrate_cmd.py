@@ -36,9 +36,10 @@ from eeserve.engine.llm_engine import LLMEngine
 from eeserve.engine_args import add_engine_args, engine_config
 from eeserve.exit_params import MEASURES, ExitParams
 from eeserve.llm import chat_token_ids
+from eeserve.models.base_delta import DELTA_NAME
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import CONFIG_NAME, WEIGHTS_NAME, load_sidecar, save_sidecar
-from eeserve.models.loader import DEFAULT_MODEL, packaged_sidecar, resolve_model
+from eeserve.models.loader import DEFAULT_MODEL, VARIANT_MODEL, packaged_sidecar, resolve_model
 from eeserve.sampling_params import SamplingParams
 from eeserve.tuning.calibration import (
     PVALUES,
@@ -237,7 +238,7 @@ def sidecar_source(model: str) -> Path | None:
 def target_folder(model: str, out_config: str | None) -> Path:
     if out_config:
         return Path(out_config)
-    if model == DEFAULT_MODEL:
+    if model in (DEFAULT_MODEL, VARIANT_MODEL):  # the variant's weights folder is the original's
         packaged = packaged_sidecar(model)
         if packaged is None:
             raise ValueError(
@@ -266,9 +267,10 @@ def write_calibration(
     else:
         base = calibrated
         source = sidecar_source(model)
-        if source is not None and (source / WEIGHTS_NAME).exists():
-            out.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source / WEIGHTS_NAME, out / WEIGHTS_NAME)
+        for name in (WEIGHTS_NAME, DELTA_NAME):  # the heads, and a trained model's base delta
+            if source is not None and (source / name).exists():
+                out.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source / name, out / name)
     save_sidecar(out, with_calibration(base, entry), None)
     return out / CONFIG_NAME
 

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from eeserve.models.exit_heads import ADAPTERS
-from eeserve.tuning.heads import DEFAULT_ADAPTER, TuneOptions, tune
+from eeserve.tuning.heads import DEFAULT_ADAPTER, TRAIN_BASE, TuneOptions
+from eeserve.tuning.tune import tune
 
 _KNOBS = {  # TuneOptions fields set from the command line, with their help
     "tokens": "self-generated tuning tokens (heads and probes)",
@@ -27,6 +28,14 @@ _KNOBS = {  # TuneOptions fields set from the command line, with their help
     "max_tokens": "tokens per generated continuation",
     "target_agreement": "agreement among exiting tokens that the thresholds keep",
     "threads": "torch threads",
+    "base_tokens": "--train-base: self-generated tokens the base delta learns from",
+    "lora_rank": "--train-base lora: rank of the base delta",
+    "lora_alpha": "--train-base lora: the delta is scaled by alpha / rank",
+    "lora_lr": "--train-base lora: peak learning rate of the base delta",
+    "final_weight": "--train-base: loss weight of KL(original final || variant final)",
+    "joint_head_lr": "--train-base: learning rate of the exit heads trained with the delta",
+    "base_batch_tokens": "--train-base: tokens per base-delta training step",
+    "checkpoint_every": "--train-base: steps between base-delta checkpoints",
 }
 
 
@@ -51,6 +60,19 @@ def add_tune_parser(sub: Any) -> None:
         "(default: the model's own continuations of the offline 'tune' prompts)",
     )
     p.add_argument("--adapter", default=DEFAULT_ADAPTER, choices=ADAPTERS)
+    p.add_argument(
+        "--train-base",
+        default="none",
+        choices=TRAIN_BASE,
+        help="lora: first train the model itself to exit (a low-rank base delta, distilled from "
+        "the frozen original jointly with exit heads), stored in the sidecar (version 2)",
+    )
+    p.add_argument(
+        "--layer-weights",
+        default=None,
+        help="--train-base: loss weight per exit layer, comma-separated (default l / L)",
+    )
+    p.add_argument("--device", default="auto", help="--train-base: auto, cpu or cuda")
     defaults = TuneOptions("", [], Path())
     for name, text in _KNOBS.items():
         value = getattr(defaults, name)
@@ -62,6 +84,9 @@ def add_tune_parser(sub: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     layers = [int(x) for x in str(args.exit_layers).split(",") if x.strip()]
+    weights = None
+    if args.layer_weights:
+        weights = [float(x) for x in str(args.layer_weights).split(",") if x.strip()]
     opts = TuneOptions(
         model=args.model,
         exit_layers=layers,
@@ -69,6 +94,9 @@ def _run(args: argparse.Namespace) -> int:
         data=list(args.data),
         adapter=args.adapter,
         cache_dir=args.cache_dir,
+        train_base=args.train_base,
+        layer_weights=weights,
+        device=args.device,
         **{name: getattr(args, name) for name in _KNOBS},
     )
     tune(opts)

@@ -172,14 +172,18 @@ def _read_texts(path: Path) -> Iterator[tuple[str, str]]:
 
 
 @dataclass
-class _Packed:
+class Packed:
     ids: torch.Tensor  # [n] token ids of all groups, flat
     positions: torch.Tensor  # [n]
     spans: list[tuple[int, int, torch.Tensor]]  # (start, end, attention mask [len, len])
     rows: torch.Tensor  # [m] flat indices of trained positions
 
+    def to(self, device: torch.device) -> Packed:
+        spans = [(a, b, m.to(device)) for a, b, m in self.spans]
+        return Packed(self.ids.to(device), self.positions.to(device), spans, self.rows.to(device))
 
-def _pack(groups: list[Group], prompt_rows: bool, decode_rows: bool) -> _Packed:
+
+def pack_groups(groups: list[Group], prompt_rows: bool, decode_rows: bool) -> Packed:
     ids: list[int] = []
     pos: list[int] = []
     spans: list[tuple[int, int, torch.Tensor]] = []
@@ -202,12 +206,12 @@ def _pack(groups: list[Group], prompt_rows: bool, decode_rows: bool) -> _Packed:
         causal = torch.ones(n, n, dtype=torch.bool).tril()
         visible = (own[None, :] == 0) | (own[None, :] == own[:, None])
         spans.append((start, len(ids), causal & visible))
-    return _Packed(torch.tensor(ids), torch.tensor(pos), spans, torch.tensor(rows))
+    return Packed(torch.tensor(ids), torch.tensor(pos), spans, torch.tensor(rows))
 
 
-def _attention(packed: _Packed) -> Any:
+def _attention(packed: Packed) -> Any:
     def attend(_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         for start, end, mask in packed.spans:
             qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
@@ -217,7 +221,7 @@ def _attention(packed: _Packed) -> Any:
     return attend
 
 
-def _chunks(groups: list[Group], chunk_tokens: int) -> Iterator[list[Group]]:
+def chunks(groups: list[Group], chunk_tokens: int) -> Iterator[list[Group]]:
     part: list[Group] = []
     size = 0
     for g in groups:
@@ -260,10 +264,10 @@ def collect(
     tops: list[torch.Tensor] = []
     dtype = model.lm_head.weight.dtype
     bar = tqdm(desc=desc, unit="tok")
-    for part in _chunks(groups, chunk_tokens):
-        packed = _pack(part, rows in ("prompt", "all"), rows in ("decode", "all"))
+    for part in chunks(groups, chunk_tokens):
+        packed = pack_groups(part, rows in ("prompt", "all"), rows in ("decode", "all"))
         rot = Rotary(cos_t[packed.positions].to(dtype), sin_t[packed.positions].to(dtype))
-        h = _run_layers(model, packed, rot, exit_layers, mid, keep, lens)
+        h = run_layers(model, packed, rot, exit_layers, mid, keep, lens)
         final = model.final_norm(h[packed.rows])
         finals.append(final.float())
         tops.append(model.lm_head(final).float().topk(topk, dim=-1).indices)
@@ -278,16 +282,18 @@ def collect(
     )
 
 
-def _run_layers(
+def run_layers(
     model: LlamaForCausalLM,
-    packed: _Packed,
+    packed: Packed,
     rot: Rotary,
     exit_layers: list[int],
     mid: bool,
     keep: dict[str, dict[int, list[torch.Tensor]]],
     lens: bool,
 ) -> torch.Tensor:
-    """One pass over a chunk, appending the kept states to ``keep``; returns the last hidden."""
+    """One pass over a chunk, appending the kept states to ``keep``; returns the last hidden.
+
+    Not itself under ``inference_mode``: ``tuning.base_delta`` trains through it."""
     attend = _attention(packed)
     # Where exit layer l is read: after layer l, or (``mid``) inside layer l + 1.
     at = {(lay + 1 if mid else lay): lay for lay in exit_layers}

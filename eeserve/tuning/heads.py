@@ -1,13 +1,13 @@
-"""Exit-head tuning on a frozen model (``eeserve tune-exits``, command line in ``tuning.cli``).
+"""Exit-head training on a frozen model: the options, the loss and the per-layer training.
 
-Contract: ``tune(opts)`` trains, per exit layer, a ``tuned`` exit head (own RMSNorm and a residual
-adapter feeding the model's frozen LM head; ``layer`` heads: ``tuning.layer_heads``) by distillation
-from the final layer's distribution, then a classifier probe on the trained head's agreement with
-the final argmax (on tuning text the head never saw); ``tuning.report.evaluate`` measures both on
-held-out generated tokens and picks the thresholds; the sidecar goes through ``save_sidecar``, the
-report next to it (JSON + markdown). The base model's weights are only read (a test checks them
-bit for bit). Training data is the user's text, or by default the model's own continuations
-(``tuning.data``).
+Contract: ``TuneOptions`` are every knob of ``eeserve tune-exits`` (the run itself: ``tuning.tune``;
+command line: ``tuning.cli``). ``tune_layers`` trains, per exit layer, a ``tuned`` exit head (own
+RMSNorm and a residual adapter feeding the model's frozen LM head; ``layer`` heads:
+``tuning.layer_heads``) by distillation from the final layer's distribution, then a classifier probe
+on the trained head's agreement with the final argmax (on tuning text the head never saw);
+``tuning.report.evaluate`` measures both on held-out generated tokens and picks the thresholds. The
+model's weights are only read (a test checks them bit for bit). Training data is the user's text, or
+by default the model's own continuations (``tuning.data``).
 Deterministic for a seed and thread count; every trained layer is checkpointed in the cache
 folder, and a rerun with the same options resumes.
 
@@ -28,23 +28,18 @@ import copy
 import hashlib
 import json
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from eeserve.config import eeserve_home
 from eeserve.models.exit_config import ExitConfig
-from eeserve.models.exit_heads import ExitHead, ExitHeads, max_exit_layer, save_sidecar
+from eeserve.models.exit_heads import ExitHead, ExitHeads
 from eeserve.models.llama import LlamaForCausalLM, RMSNorm
-from eeserve.models.loader import load_model, read_config, resolve_model
-from eeserve.tuning.data import Collected, collect_splits, load_groups
+from eeserve.tuning.data import Collected
 from eeserve.tuning.layer_heads import LAYER_LR, init_layer_heads
-from eeserve.tuning.report import evaluate, write_report
 
 DEFAULT_ADAPTER = "linear"
 
@@ -73,15 +68,53 @@ class TuneOptions:
     target_agreement: float = 0.95
     threads: int = 1  # 2 on a busy 2-core machine was measured 3-10x slower
     cache_dir: Path | None = None
+    # A model trained to exit (``tuning.base_delta``): "lora" trains a low-rank base delta jointly
+    # with exit heads, by distillation from the frozen original, before the heads are tuned.
+    train_base: str = "none"
+    base_tokens: int = 200000  # self-generated tokens the base delta learns from
+    lora_rank: int = 16
+    lora_alpha: float = 32.0  # the delta is scaled by lora_alpha / lora_rank
+    lora_lr: float = 2e-4
+    final_weight: float = 8.0  # weight of KL(original final || variant final) in the loss
+    joint_head_lr: float = 1e-3  # the delta's auxiliary linear exit heads (raw inputs)
+    layer_weights: list[float] | None = None  # per exit layer; default l / L (CALM)
+    base_batch_tokens: int = 512  # tokens (prompt and continuation) per delta training step
+    checkpoint_every: int = 50  # delta training steps between checkpoints
+    device: str = "auto"  # of the delta training: "cuda" when present, else "cpu"
 
     def key(self) -> str:
         """Hash of everything that changes the trained heads (names the checkpoint folder)."""
         d = asdict(self)
         d["data"] = [(str(p), p.stat().st_mtime_ns) for p in self.data]
-        for k in ("out", "cache_dir", "threads", "target_agreement"):
+        for k in ("out", "cache_dir", "threads", "target_agreement", "device", "checkpoint_every"):
             d.pop(k)
         d.pop("lr" if self.adapter == "layer" else "layer_lr")  # unused: old keys stay valid
+        if self.train_base == "none":  # heads of the frozen model: old keys stay valid
+            for k in BASE_FIELDS:
+                d.pop(k)
         return hashlib.sha256(json.dumps(d, default=str).encode()).hexdigest()[:16]
+
+    def delta_key(self) -> str:
+        """Hash of everything that changes the trained base delta (its checkpoint folder)."""
+        d = asdict(self)
+        keep = {"model", "exit_layers", "tokens", "seed", "max_tokens", "topk", "negatives"}
+        d = {k: v for k, v in d.items() if k in keep or k in BASE_FIELDS}
+        d["data"] = [(str(p), p.stat().st_mtime_ns) for p in self.data]
+        return hashlib.sha256(json.dumps(d, default=str).encode()).hexdigest()[:16]
+
+
+BASE_FIELDS = (
+    "train_base",
+    "base_tokens",
+    "lora_rank",
+    "lora_alpha",
+    "lora_lr",
+    "final_weight",
+    "joint_head_lr",
+    "layer_weights",
+    "base_batch_tokens",
+)
+TRAIN_BASE = ("none", "lora")
 
 
 # -- the loss ------------------------------------------------------------------------------------
@@ -128,7 +161,8 @@ def init_heads(cfg: ExitConfig, model: LlamaForCausalLM) -> ExitHeads:
     return heads
 
 
-def _schedule(step: int, total: int) -> float:
+def schedule(step: int, total: int) -> float:
+    """Learning-rate factor: linear warm-up over the first 5%, then cosine down to 0.1."""
     warm = max(1, total // 20)
     if step < warm:
         return (step + 1) / warm
@@ -155,7 +189,7 @@ def train_head(
     _fold(head, mu, sd, unfold=True)
     lr = opts.layer_lr if head.adapter.kind == "layer" else opts.lr
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=opts.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s, steps))
     losses: list[float] = []
     bar = tqdm(range(steps), desc=desc, unit="step")
     order = torch.randperm(n, generator=gen)
@@ -311,62 +345,3 @@ def tune_layers(
             torch.save({"state": head.state_dict(), "stats": stats[layer]}, ckpt)
         above = layer
     return stats
-
-
-# -- the command ----------------------------------------------------------------------------------
-
-
-def tune(opts: TuneOptions) -> dict[str, Any]:
-    """The whole ``tune-exits`` run; returns the report (also written next to the sidecar)."""
-    torch.set_num_threads(opts.threads)
-    torch.manual_seed(opts.seed)
-    start = time.perf_counter()
-    folder = resolve_model(opts.model)
-    num_layers = read_config(folder).num_layers
-    deepest = max_exit_layer(opts.adapter, num_layers)  # a layer head at l is layer l + 1
-    bad = [x for x in opts.exit_layers if not 1 <= x <= deepest]
-    if bad or not opts.exit_layers:
-        raise ValueError(f"exit layers must be in [1, {deepest}], got {opts.exit_layers}")
-    cache = opts.cache_dir or eeserve_home() / "tune" / folder.name
-    train_groups, heldout_groups = load_groups(
-        opts.model, opts.data, opts.tokens, opts.heldout_tokens, opts.seed, opts.max_tokens, cache
-    )
-    model, _ = load_model(folder, torch.float32, torch.device("cpu"))
-    layers = sorted(set(opts.exit_layers))
-    mid = opts.adapter == "layer"  # layer heads read h_mid of layer l + 1
-    train, probe, heldout = collect_splits(
-        model, train_groups, heldout_groups, layers, opts.topk, opts.probe_fraction, mid
-    )
-    ranks = {"lowrank": opts.rank, "mlp": opts.rank, "layer": model.config.intermediate_size}
-    cfg = ExitConfig(
-        num_layers=num_layers,
-        exit_layers=layers,
-        head="tuned",
-        adapter=opts.adapter,
-        adapter_rank=ranks.get(opts.adapter, 0),
-        classifier=True,
-    )
-    heads = init_heads(cfg, model)
-    t_train = time.perf_counter()
-    stats = tune_layers(model, heads, train, probe, opts, cache / f"heads-{opts.key()}")
-    t_eval = time.perf_counter()
-    report = evaluate(model, heads, heldout, opts.target_agreement)
-    report.update(
-        model=opts.model,
-        options={k: v for k, v in asdict(opts).items() if k not in ("out", "cache_dir")},
-        tokens={"train": train.size, "probe": probe.size, "heldout": heldout.size},
-        training=stats,
-        seconds={
-            "data": t_train - start,
-            "train": t_eval - t_train,
-            "total": time.perf_counter() - start,
-        },
-    )
-    cfg.default_measure = report["default_measure"]
-    # One threshold per measure: a per-layer list would not fit a request that picks its own
-    # exit layers (the report lists the per-layer ones, for ``ExitParams(threshold=[...])``).
-    cfg.thresholds = {m: c["threshold"] for m, c in report["chosen"].items()}
-    cfg.enabled_by_default = bool(report["enabled_by_default"])
-    save_sidecar(opts.out, cfg, heads)
-    print(write_report(opts.out, report))
-    return report

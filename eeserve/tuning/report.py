@@ -44,7 +44,12 @@ NEVER = 1.01  # a threshold no measure reaches
 
 @torch.no_grad()
 def _layer_eval(
-    model: LlamaForCausalLM, heads: ExitHeads, data: Collected, layer: int, teacher: torch.Tensor
+    model: LlamaForCausalLM,
+    heads: ExitHeads,
+    data: Collected,
+    layer: int,
+    teacher: torch.Tensor,
+    reference: torch.Tensor | None,
 ) -> tuple[dict[str, Any], torch.Tensor, dict[str, torch.Tensor]]:
     """Per-layer numbers, the tuned head's agreement [N] and each measure's confidence [N]."""
     lm_w = model.lm_head.weight
@@ -78,6 +83,8 @@ def _layer_eval(
         "kl_tuned": kl_tuned / n,
         "classifier_ece": ece(measures["classifier"], agree),
     }
+    if reference is not None:  # a model trained to exit: also against the original's argmax
+        row["agreement_original"] = float((torch.cat(tuned) == reference).float().mean())
     return row, agree, measures
 
 
@@ -184,15 +191,21 @@ def _cost_fn(
 
 
 def evaluate(
-    model: LlamaForCausalLM, heads: ExitHeads, data: Collected, target: float
+    model: LlamaForCausalLM,
+    heads: ExitHeads,
+    data: Collected,
+    target: float,
+    reference: torch.Tensor | None = None,
 ) -> dict[str, Any]:
+    """``reference`` [N]: for a model trained to exit, the original model's final argmax at the
+    same positions (each layer row then also has ``agreement_original``)."""
     layers = heads.config.exit_layers
     L = model.config.num_layers
     with torch.no_grad():
         teacher = F.log_softmax(data.final @ model.lm_head.weight.T, -1)
     rows, agrees, confs = [], [], []
     for layer in layers:
-        row, agree, conf = _layer_eval(model, heads, data, layer, teacher)
+        row, agree, conf = _layer_eval(model, heads, data, layer, teacher, reference)
         row["sweep"] = {
             m: [
                 {
@@ -311,6 +324,7 @@ def markdown(r: dict[str, Any]) -> str:
         + _layer_note(r),
         "",
         *_chosen_rows(r),
+        *_variant_rows(r),
     ]
     for m in r["cascade"]:
         out += [
@@ -321,6 +335,29 @@ def markdown(r: dict[str, Any]) -> str:
             *_sweep_rows(r, m),
         ]
     return "\n".join(out) + "\n"
+
+
+def _variant_rows(r: dict[str, Any]) -> list[str]:
+    """A model trained to exit (``tune-exits --train-base lora``) against the original."""
+    v = r.get("variant")
+    if not v:
+        return []
+    ppl = v["perplexity"]
+    out = [
+        "",
+        f"Model trained to exit (base delta rank {v['lora_rank']}): the variant's full depth "
+        f"agrees with the original's on {v['full_depth_agreement_with_original']:.3f} of held-out "
+        f"tokens; held-out prompt perplexity {ppl['original']:.2f} (original) -> "
+        f"{ppl['variant']:.2f} (variant). Tuned-head argmax agreement per exit layer:",
+        "",
+        "| layer | with the variant's final | with the original's final |",
+        "|---:|---:|---:|",
+    ]
+    for row in r["layers"]:
+        out.append(
+            f"| {row['layer']} | {row['agreement_tuned']:.3f} | {row['agreement_original']:.3f} |"
+        )
+    return out
 
 
 def _layer_note(r: dict[str, Any]) -> str:
