@@ -16,8 +16,9 @@ import torch
 
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.engine.exit_loop import ExitBatch, ExitLoop, Passenger
-from eeserve.engine.sampler import Sampler
+from eeserve.engine.sampler import Sampler, token_logprobs
 from eeserve.engine.sequence import Sequence
+from eeserve.engine.speculative import SpecDecoder, SpecOutput
 from eeserve.kernels.native import load as load_native
 from eeserve.kernels.packing import (
     PackedLinear,
@@ -42,6 +43,8 @@ class StepOutput:
     # ``recompute``: per sequence, the positions owed after this step -> layer reached (None:
     # unchanged).
     kv_debt: list[dict[int, int] | None] = field(default_factory=list)
+    # ``speculative`` sequences: a new draft or a verification's tokens (None: other modes).
+    spec: list[SpecOutput | None] = field(default_factory=list)
 
 
 @dataclass
@@ -86,6 +89,7 @@ class ModelRunner:
         cos, sin = rope_tables(config, max_model_len)
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
         self.sampler = Sampler()
+        self.spec = SpecDecoder(self.sampler)
         self.lm_head: torch.nn.Module = model.lm_head
         if native is not None:
             use_native_ops(model, native)
@@ -160,7 +164,7 @@ class ModelRunner:
         if self.exit_policy == "none":
             return None
         # The first token comes from the prefill, which never exits.
-        plans = [s.exit_plan if s.output_token_ids else None for s in seqs]
+        plans = [s.step_plan() for s in seqs]
         forced: dict[int, int] = {}
         passengers: dict[int, Passenger] = {}
         full = self.config.num_layers
@@ -175,13 +179,15 @@ class ModelRunner:
             return None
         last_pos = [span.q_positions[-1] for span in batch.meta.spans]
         fill = self.kv_fill == "fill"
+        spec = {i for i, s in enumerate(seqs) if s.spec is not None}
         return ExitBatch(
-            batch.last_rows, last_pos, plans, forced, self.exit_policy, fill, passengers
+            batch.last_rows, last_pos, plans, forced, self.exit_policy, fill, passengers, spec
         )
 
     def release(self, seq_id: int) -> None:
         """Forget per-request tensors (sampling generator, owed hidden states)."""
         self.sampler.release(seq_id)
+        self.spec.release(seq_id)
         self._debt_hidden.pop(seq_id, None)
 
     @torch.inference_mode()
@@ -189,9 +195,12 @@ class ModelRunner:
         for seq in seqs:
             if not seq.kv_debt:  # paid, or dropped by preemption (recomputed at full depth)
                 self._debt_hidden.pop(seq.seq_id, None)
+            if seq.num_draft_tokens == 0:  # verified, or dropped by preemption
+                self.spec.release(seq.seq_id)
         batch = self.prepare(seqs)
         full = self.config.num_layers
         kv_debt: dict[int, dict[int, int]] = {}
+        verify_logits: dict[int, torch.Tensor] = {}
         eb = self._exit_batch(seqs, batch)
         if eb is None:
             normed, layers_run = self.forward(batch)
@@ -203,39 +212,65 @@ class ModelRunner:
             res = self.exit_loop.run(h, rot, batch.meta, eb)
             logits, layers_run = res.logits, res.layers_run
             exit_layers, confs = res.exit_layers, res.confidences
-            if not eb.fill:
-                for seq, debt in zip(seqs, res.debts):
+            verify_logits = res.verify_logits
+            for i, (seq, debt) in enumerate(zip(seqs, res.debts)):
+                if not eb.fill or i in eb.speculative:
                     kv_debt[seq.seq_id] = {p: layer for p, (layer, _) in debt.items()}
                     self._debt_hidden[seq.seq_id] = {p: h for p, (_, h) in debt.items()}
-        tokens = self.sampler.sample(
-            logits, [s.sampling_params for s in seqs], [s.seq_id for s in seqs]
-        )
-        return StepOutput(
+        # A speculative row that reached full depth verifies; its token comes from ``verify``.
+        verifying = [s.spec is not None and exit_layers[i] == full for i, s in enumerate(seqs)]
+        rows = [i for i, v in enumerate(verifying) if not v]
+        tokens = torch.zeros(len(seqs), dtype=torch.long)
+        if rows:
+            picked = self.sampler.sample(
+                logits[rows] if len(rows) < len(seqs) else logits,
+                [seqs[i].sampling_params for i in rows],
+                [seqs[i].seq_id for i in rows],
+            )
+            tokens[rows] = picked.cpu()
+        out = StepOutput(
             token_ids=tokens.tolist(),
             exit_layers=exit_layers,
             confidences=confs,
-            logprobs=_logprobs(logits, seqs, tokens),
+            logprobs=_logprobs(logits, seqs, tokens, verifying),
             layers_run=layers_run,
             kv_debt=[kv_debt.get(s.seq_id) for s in seqs],
         )
+        out.spec = [
+            self._spec_output(seq, i, logits, verify_logits, out) if seq.spec else None
+            for i, seq in enumerate(seqs)
+        ]
+        return out
+
+    def _spec_output(
+        self,
+        seq: Sequence,
+        i: int,
+        logits: torch.Tensor,
+        verify_logits: dict[int, torch.Tensor],
+        out: StepOutput,
+    ) -> SpecOutput:
+        """Sequence ``i``'s draft (its row left at an exit) or verification (full depth)."""
+        params = seq.sampling_params
+        if out.exit_layers[i] < self.config.num_layers:
+            return self.spec.draft(
+                seq.seq_id, params, logits[i], out.token_ids[i], out.exit_layers[i]
+            )
+        k = seq.num_draft_tokens
+        drafts = seq.output_token_ids[len(seq.output_token_ids) - k :]
+        owed = verify_logits.get(i, logits[:0])
+        assert owed.shape[0] == k, f"{owed.shape[0]} verified positions for {k} drafts"
+        full = torch.cat([owed, logits[i : i + 1]])  # [k+1, V]
+        return self.spec.verify(seq.seq_id, params, drafts, full)
 
 
 def _logprobs(
-    logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor
+    logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor, skip: list[bool]
 ) -> list[dict[int, float] | None]:
     """Top-n log-probabilities of the raw model distribution, plus the sampled token's, for rows
-    that asked for them."""
+    that asked for them (``skip``: verifications, whose logprobs come with their tokens)."""
     out: list[dict[int, float] | None] = []
     for i, seq in enumerate(seqs):
         n = seq.sampling_params.logprobs
-        if n is None:
-            out.append(None)
-            continue
-        lp = logits[i].log_softmax(-1)
-        tok = int(tokens[i])
-        entry = {tok: float(lp[tok])}  # the sampled token always, then the top n (vLLM)
-        if n > 0:
-            top = lp.topk(n)
-            entry.update(zip(top.indices.tolist(), top.values.tolist()))
-        out.append(entry)
+        out.append(None if n is None or skip[i] else token_logprobs(logits[i], int(tokens[i]), n))
     return out

@@ -24,6 +24,7 @@ class ExitConfig:
     thresholds: dict[str, float | list[float]] = field(default_factory=dict)
     calibration: list[dict[str, object]] = field(default_factory=list)
     enabled_by_default: bool = False
+    default_mode: str = "exit"  # "exit" or "speculative" (when a request names no mode)
 
 
 def default_shared_exit_layers(num_layers: int) -> list[int]:
