@@ -15,6 +15,8 @@ class ExitStats:
     acceptance_rate: float | None = None
     mean_draft_length: float | None = None
     mean_draft_layer: float | None = None
+    num_drafted: int | None = None
+    num_accepted: int | None = None
 
 
 @dataclass

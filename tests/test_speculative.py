@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eeserve import LLM, SamplingParams
+from eeserve.cli import main
 from eeserve.engine.speculative import accept_sampled
 from eeserve.exit_params import ExitParams
 from eeserve.models.exit_config import ExitConfig
@@ -299,3 +300,16 @@ def test_engine_sampling_matches_full_depth_distribution(agreeing_dir: Path) -> 
     # Normal approximation of the chi-square 99.9% quantile (deterministic with fixed seeds).
     assert stat < dof + 3.1 * (2 * dof) ** 0.5 + 5, (stat, dof)
     assert_engine_clean(llm)
+
+
+def test_cli_generate_speculative(agreeing_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["generate", "--model", str(agreeing_dir), "--prompt", PROMPTS[0], "--max-tokens", "8"]
+    assert main([*base, "--no-exit"]) == 0
+    full = capsys.readouterr().out
+    extra = ["--exit-mode", "speculative", "--num-draft-tokens", "3", "--exit-threshold", "0"]
+    assert main([*base, *extra]) == 0
+    got = capsys.readouterr()
+    assert got.out == full
+    assert "acceptance" in got.err and "mean draft layer" in got.err
+    assert main([*base, "--exit-mode", "speculative", "--num-draft-tokens", "0"]) == 2
+    assert "num_draft_tokens" in capsys.readouterr().err

@@ -276,6 +276,7 @@ class LLMEngine:
                 spec.num_accepted / spec.num_drafted if spec.num_drafted else 0.0
             )
             stats.mean_draft_length = spec.num_drafted / max(1, spec.num_verifications)
+            stats.num_drafted, stats.num_accepted = spec.num_drafted, spec.num_accepted
             drafted = [x for x in spec.draft_layers if x is not None]
             stats.mean_draft_layer = sum(drafted) / len(drafted) if drafted else None
         completion = CompletionOutput(
