@@ -313,3 +313,20 @@ def test_cli_generate_speculative(agreeing_dir: Path, capsys: pytest.CaptureFixt
     assert "acceptance" in got.err and "mean draft layer" in got.err
     assert main([*base, "--exit-mode", "speculative", "--num-draft-tokens", "0"]) == 2
     assert "num_draft_tokens" in capsys.readouterr().err
+
+
+def test_draft_vocabulary_subset_keeps_output_exact(tuned_dir: Path) -> None:
+    """Drafts projected onto the first ids only (``ExitConfig.draft_vocab``): drafts whose token
+    lies outside are rejected, the output stays full depth's."""
+    llm = _llm(tuned_dir)
+    full = _tokens(llm, PROMPTS, FULL)
+    llm.engine.runner.set_draft_vocab(40)
+    ep = ExitParams(mode="speculative", threshold=0.0, measure="classifier")
+    outs = _run(llm, PROMPTS, [ep] * len(PROMPTS))
+    assert [c.token_ids for c in outs] == full
+    assert llm.engine.model_config.vocab_size > 40
+    accepted = [t for c in outs for t, a in zip(c.token_ids, c.draft_accepted or []) if a]
+    assert all(t < 40 for t in accepted)
+    assert any(x is not None for c in outs for x in c.draft_layers or []), "nothing drafted"
+    assert any(t >= 40 for c in outs for t in c.token_ids), "no draft could miss: weak test"
+    assert_engine_clean(llm)

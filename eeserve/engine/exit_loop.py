@@ -114,6 +114,8 @@ class ExitLoop:
         self.heads = heads
         self.shared_head = shared_head
         self.layer_heads = not shared_head and heads is not None and heads.layer_heads
+        # Optional cheaper LM head for speculative drafts: the first V' rows of the vocabulary.
+        self.draft_head: torch.nn.Module | None = None
 
     def head_normed(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """LM-head input [n, D] of exit ``layer`` (1-based) from the head's input [n, D]: the
@@ -274,6 +276,7 @@ class ExitLoop:
                 st.debts[p.seq].pop(p.position, None)
                 if p.seq in b.speculative:
                     verify.append((i, p.seq, p.position))
+        self._draft_logits(st, b)
         pos = [i for i, r in enumerate(st.active) if r in seq_of_row]
         owners = [seq_of_row[st.active[i]] for i in pos] + list(st.pending)
         if not owners:
@@ -293,6 +296,19 @@ class ExitLoop:
             st.out_logits[s] = logits[k]
         assert all(x is not None for x in st.out_logits), "a sequence produced no logits"
         return torch.stack(st.out_logits)  # type: ignore[arg-type]
+
+    def _draft_logits(self, st: _State, b: ExitBatch) -> None:
+        """Speculative drafts waiting for logits go through the draft head (when there is one):
+        logits outside its vocabulary are -inf, so the draft is its argmax over that part."""
+        drafts = [s for s in st.pending if s in b.speculative]
+        if self.draft_head is None or not drafts:
+            return
+        part = self.draft_head(torch.stack([st.pending.pop(s) for s in drafts])).float()
+        vocab = self.model.config.vocab_size
+        logits = part.new_full((len(drafts), vocab), float("-inf"))
+        logits[:, : part.shape[1]] = part
+        for k, s in enumerate(drafts):
+            st.out_logits[s] = logits[k]
 
     @staticmethod
     def _split_verify(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.engine.exit_loop import ExitBatch, ExitLoop, Passenger
@@ -105,6 +106,15 @@ class ModelRunner:
         self.kv_fill = kv_fill
         shared = exit_config is None or exit_config.head == "shared"
         self.exit_loop = ExitLoop(model, self.kv, self.lm_head, exit_heads, shared)
+        if exit_config is not None and 0 < exit_config.draft_vocab < config.vocab_size:
+            self.set_draft_vocab(exit_config.draft_vocab)
+
+    def set_draft_vocab(self, n: int) -> None:
+        """Speculative drafts over the first ``n`` token ids (0: the whole vocabulary)."""
+        weight = self.model.lm_head.weight[:n].detach()
+        packable = can_pack(self.device, self.dtype, self.config.hidden_size)
+        head = PackedLinear(weight, None) if packable else partial(F.linear, weight=weight)
+        self.exit_loop.draft_head = head if 0 < n < self.config.vocab_size else None  # type: ignore[assignment]
 
     # -- inputs ------------------------------------------------------------------------------
 

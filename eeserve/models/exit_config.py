@@ -25,6 +25,10 @@ class ExitConfig:
     calibration: list[dict[str, object]] = field(default_factory=list)
     enabled_by_default: bool = False
     default_mode: str = "exit"  # "exit" or "speculative" (when a request names no mode)
+    # Speculative drafts are projected onto the first ``draft_vocab`` token ids only (a BPE
+    # vocabulary is roughly frequency-ordered); 0: the whole vocabulary. Verification keeps the
+    # output exact whatever the draft head is; a smaller one makes drafting cheaper.
+    draft_vocab: int = 0
 
 
 def default_shared_exit_layers(num_layers: int) -> list[int]:
