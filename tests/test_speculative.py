@@ -330,3 +330,19 @@ def test_draft_vocabulary_subset_keeps_output_exact(tuned_dir: Path) -> None:
     assert any(x is not None for c in outs for x in c.draft_layers or []), "nothing drafted"
     assert any(t >= 40 for c in outs for t in c.token_ids), "no draft could miss: weak test"
     assert_engine_clean(llm)
+
+
+@pytest.mark.slow
+def test_real_model_greedy_equals_full_depth() -> None:
+    """smollm2 with its packaged tuned heads, probes and draft vocabulary: a few chat prompts in
+    one batch, at the default threshold and a looser one (more drafts, more rejections)."""
+    llm = LLM("smollm2", enable_prefix_caching=False)
+    msgs = ["What is the capital of France?", "Write a short poem about the sea.", "Name 3 fruits."]
+    prompts = [llm.apply_chat_template([{"role": "user", "content": m}]) for m in msgs]
+    sp = SamplingParams(max_tokens=40, temperature=0.0)
+    full = [c.token_ids for c in _run(llm, prompts, [FULL] * 3, sp)]  # type: ignore[arg-type]
+    for ep in (ExitParams(mode="speculative"), ExitParams(mode="speculative", threshold=0.8)):
+        outs = _run(llm, prompts, [ep] * 3, sp)  # type: ignore[arg-type]
+        assert [c.token_ids for c in outs] == full
+    assert any(a is not None for c in outs for a in c.draft_accepted or [])
+    assert_engine_clean(llm)
