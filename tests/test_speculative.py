@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from eeserve import LLM, SamplingParams
 from eeserve.cli import main
-from eeserve.engine.speculative import accept_sampled
+from eeserve.engine.speculative import DRAFT_MAX_BATCH, accept_sampled
 from eeserve.exit_params import ExitParams
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import save_sidecar
@@ -189,11 +189,20 @@ def test_preemption_prefix_caching_and_stop_strings(agreeing_dir: Path) -> None:
         assert_engine_clean(llm)
 
 
+def test_large_decode_batches_verify_instead_of_drafting(agreeing_dir: Path) -> None:
+    llm = _llm(agreeing_dir)
+    prompts = [f"{PROMPTS[j % 4]} {j}" for j in range(DRAFT_MAX_BATCH + 1)]
+    full = _tokens(llm, prompts, FULL)
+    outs = _run(llm, prompts, [spec(0.0, [L - 1])] * len(prompts))
+    assert [c.token_ids for c in outs] == full
+    assert all(x is None for c in outs for x in c.draft_layers or [])
+
+
 def test_no_block_leak_after_many_requests(agreeing_dir: Path) -> None:
     llm = _llm(agreeing_dir, block_size=4)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    for i in range(0, 100, 10):
-        prompts = [f"{PROMPTS[j % 4]} {j}" for j in range(i, i + 10)]
+    for i in range(0, 100, 4):  # batches of 4: larger decode batches do not draft
+        prompts = [f"{PROMPTS[j % 4]} {j}" for j in range(i, i + 4)]
         _tokens(llm, prompts, spec(0.0, [L - 1]), params)
     assert_engine_clean(llm)
 
@@ -267,12 +276,14 @@ def test_engine_sampling_matches_full_depth_distribution(agreeing_dir: Path) -> 
     ]
     engine = llm.engine
     ep = spec(0.0, [L - 1], n=2)
-    rids = [engine.add_request(ids, p, exit_params=ep) for p in sp]
+    rids: list[str] = []
     done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
+    for i in range(0, n, 4):  # batches of 4: larger decode batches do not draft
+        rids += [engine.add_request(ids, p, exit_params=ep) for p in sp[i : i + 4]]
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0]
     flags = [done[r].draft_accepted[1] for r in rids]  # type: ignore[index]
     assert True in flags and False in flags
     # Full depth's distribution of the second token given the sampled first one: average over

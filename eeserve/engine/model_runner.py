@@ -19,7 +19,7 @@ from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.engine.exit_loop import ExitBatch, ExitLoop, Passenger
 from eeserve.engine.sampler import Sampler, token_logprobs
 from eeserve.engine.sequence import Sequence
-from eeserve.engine.speculative import SpecDecoder, SpecOutput
+from eeserve.engine.speculative import DRAFT_MAX_BATCH, SpecDecoder, SpecOutput
 from eeserve.kernels.native import load as load_native
 from eeserve.kernels.packing import (
     PackedLinear,
@@ -175,6 +175,8 @@ class ModelRunner:
             return None
         # The first token comes from the prefill, which never exits.
         plans = [s.step_plan() for s in seqs]
+        if len(seqs) > DRAFT_MAX_BATCH:  # too many rows for drafting to pay: verify instead
+            plans = [None if s.spec is not None else p for s, p in zip(seqs, plans)]
         forced: dict[int, int] = {}
         passengers: dict[int, Passenger] = {}
         full = self.config.num_layers

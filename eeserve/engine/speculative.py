@@ -30,6 +30,12 @@ from eeserve.sampling_params import SamplingParams
 # Two verifications in a row that accept nothing pause drafting for this many verified tokens.
 PAUSE_AFTER_REJECTIONS = 2
 PAUSE_TOKENS = 8
+# No drafting in decode steps of more sequences than this. Every kept token still runs all L
+# layers (a draft's deep layers run later, as a verification passenger), so speculation only
+# pays where a step's cost hardly grows with its rows (weight reads dominate: small batches).
+# On CPU a batch of 8 is already compute-bound: measured 0.70x full depth with drafting at
+# batch 8 and 32 (docs/speculative.md); 4 is a cautious guess between measured points.
+DRAFT_MAX_BATCH = 4
 
 
 @dataclass
