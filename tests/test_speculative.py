@@ -357,3 +357,31 @@ def test_real_model_greedy_equals_full_depth() -> None:
         assert [c.token_ids for c in outs] == full
     assert any(a is not None for c in outs for a in c.draft_accepted or [])
     assert_engine_clean(llm)
+
+
+def test_layer_heads_draft_and_verify_exactly(
+    tiny_varied_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``layer`` exit heads check exit l inside layer l + 1 (its attention already ran): drafts
+    owe from l + 1 and their verification still reproduces full depth."""
+    folder = tmp_path_factory.mktemp("spec") / "layered"
+    shutil.copytree(tiny_varied_dir, folder)
+    model, mcfg = load_model(folder, torch.float32, torch.device("cpu"))
+    cfg = ExitConfig(
+        mcfg.num_layers, [1, 2], head="tuned", adapter="layer",
+        adapter_rank=mcfg.intermediate_size, classifier=True,
+    )  # fmt: skip
+    heads = init_heads(cfg, model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    save_sidecar(folder, cfg, heads)
+    llm = _llm(folder)
+    full = _tokens(llm, PROMPTS, FULL)
+    for measure in ("classifier", "softmax_margin"):
+        ep = ExitParams(mode="speculative", threshold=0.0, measure=measure, num_draft_tokens=3)
+        outs = _run(llm, PROMPTS, [ep] * len(PROMPTS))
+        assert [c.token_ids for c in outs] == full, measure
+        assert any(x is not None for c in outs for x in c.draft_layers or [])
+    assert_engine_clean(llm)

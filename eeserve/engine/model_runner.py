@@ -244,7 +244,7 @@ class ModelRunner:
             token_ids=tokens.tolist(),
             exit_layers=exit_layers,
             confidences=confs,
-            logprobs=_logprobs(logits, seqs, tokens, verifying),
+            logprobs=_logprobs(logits, seqs, tokens, [s.spec is not None for s in seqs]),
             layers_run=layers_run,
             kv_debt=[kv_debt.get(s.seq_id) for s in seqs],
         )
@@ -280,7 +280,7 @@ def _logprobs(
     logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor, skip: list[bool]
 ) -> list[dict[int, float] | None]:
     """Top-n log-probabilities of the raw model distribution, plus the sampled token's, for rows
-    that asked for them (``skip``: verifications, whose logprobs come with their tokens)."""
+    that asked for them (``skip``: speculative rows, whose logprobs come with verified tokens)."""
     out: list[dict[int, float] | None] = []
     for i, seq in enumerate(seqs):
         n = seq.sampling_params.logprobs
