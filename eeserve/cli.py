@@ -51,6 +51,15 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=["softmax_margin", "max_prob", "hidden_cosine", "classifier"],
     )
+    g.add_argument(
+        "--exit-mode",
+        default=None,
+        choices=["exit", "speculative"],
+        help="speculative: exits draft and the deep layers verify (output = full depth)",
+    )
+    g.add_argument(
+        "--num-draft-tokens", type=int, default=None, help="speculative: most drafts per verify"
+    )
     g.add_argument("--no-exit", action="store_true", help="full depth")
     g.add_argument("--show-exits", action="store_true", help="annotate tokens with exit layers")
 
@@ -91,8 +100,16 @@ def _generate(args: argparse.Namespace) -> int:
     )
     if args.no_exit:
         exit_params: ExitParams | None = ExitParams(enabled=False)
-    elif args.exit_threshold is not None or args.exit_measure is not None:
-        exit_params = ExitParams(threshold=args.exit_threshold, measure=args.exit_measure)
+    elif any(
+        x is not None
+        for x in (args.exit_threshold, args.exit_measure, args.exit_mode, args.num_draft_tokens)
+    ):
+        exit_params = ExitParams(
+            threshold=args.exit_threshold,
+            measure=args.exit_measure,
+            mode=args.exit_mode,
+            num_draft_tokens=args.num_draft_tokens,
+        )
     else:
         exit_params = None
     if args.chat:
@@ -124,7 +141,15 @@ def _generate(args: argparse.Namespace) -> int:
         f"TTFT {((first or end) - start) * 1000:.0f} ms; finish={c.finish_reason}",
         file=sys.stderr,
     )
-    if stats is not None:
+    if stats is not None and stats.acceptance_rate is not None:
+        layer = f"{stats.mean_draft_layer:.1f}" if stats.mean_draft_layer else "-"
+        print(
+            f"--- speculative (output = full depth): acceptance {stats.acceptance_rate:.1%}, "
+            f"mean draft length {stats.mean_draft_length:.2f}, mean draft layer "
+            f"{layer}/{stats.num_layers}",
+            file=sys.stderr,
+        )
+    elif stats is not None:
         print(
             f"--- exits: mean exit layer {stats.mean_exit_layer:.2f}/{stats.num_layers}, "
             f"layers saved {stats.layers_saved_fraction:.1%}",

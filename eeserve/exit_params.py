@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 MEASURES = ("softmax_margin", "max_prob", "hidden_cosine", "classifier")
 LOGIT_MEASURES = ("softmax_margin", "max_prob")
+MODES = ("exit", "speculative")
+# Most drafts before a verification in ``speculative`` mode when a request does not say.
+DEFAULT_NUM_DRAFT_TOKENS = 4
 
 
 @dataclass
@@ -22,8 +25,19 @@ class ExitParams:
     min_layer: int = 1
     exit_layers: list[int] | None = None
     tolerance: float | None = None  # a calibrated quality target instead of a raw threshold
+    # "exit": a confident token is final. "speculative": it is a draft that the layers above
+    # verify, so the output equals full depth's (None: the model's default mode).
+    mode: str | None = None
+    num_draft_tokens: int | None = None  # speculative: most drafts before a verification
 
     def __post_init__(self) -> None:
+        if self.mode is not None and self.mode not in MODES:
+            raise ValueError(f"ExitParams.mode must be one of {MODES}, got {self.mode!r}")
+        n = self.num_draft_tokens
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64):
+            raise ValueError(
+                f"ExitParams.num_draft_tokens must be an integer in [1, 64], got {n!r}"
+            )
         if self.measure is not None and self.measure not in MEASURES:
             raise ValueError(f"ExitParams.measure must be one of {MEASURES}, got {self.measure!r}")
         ths = self.threshold if isinstance(self.threshold, list) else [self.threshold]

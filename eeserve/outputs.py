@@ -10,6 +10,13 @@ class ExitStats:
     mean_exit_layer: float  # over generated tokens, 1-based (L = full depth)
     layers_saved_fraction: float  # 1 - layers run / (tokens * L)
     num_layers: int
+    # ``speculative`` mode (None otherwise): accepted / drafted over verified drafts, drafts per
+    # verification that checked any, and the mean exit layer drafts came from.
+    acceptance_rate: float | None = None
+    mean_draft_length: float | None = None
+    mean_draft_layer: float | None = None
+    num_drafted: int | None = None
+    num_accepted: int | None = None
 
 
 @dataclass
@@ -22,6 +29,10 @@ class CompletionOutput:
     exit_confidences: list[float] = field(default_factory=list)
     exit_stats: ExitStats | None = None
     logprobs: list[dict[int, float]] | None = None
+    # ``speculative`` mode, per token: the exit layer its draft came from (None: not drafted, a
+    # full-depth token) and whether the draft was accepted (False: replaced by full depth's).
+    draft_layers: list[int | None] | None = None
+    draft_accepted: list[bool | None] | None = None
 
 
 @dataclass

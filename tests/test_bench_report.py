@@ -159,3 +159,30 @@ def test_default_and_calibrated_thresholds_join_the_frontier() -> None:
     assert operating_point(cfg, xc) == ("max_prob", 0.97, "calibrated")
     cfg.threshold = 0.8
     assert operating_point(cfg, xc) == ("max_prob", 0.8, "--threshold")
+
+
+def test_speculative_section_is_lossless(report: tuple[Path, dict[str, Any]]) -> None:
+    out, r = report
+    rows = r["speculative"]
+    assert sorted(x["batch"] for x in rows) == BATCHES
+    for x in rows:
+        assert x["identical"] and x["token_agreement"] == 1.0
+        assert x["ratio"] > 0 and 0 <= x["acceptance_rate"] <= 1 and x["drafted"] > 0
+        assert sum(v["verified"] for v in x["per_layer"].values()) > 0
+    md = (out / "report.md").read_text()
+    assert "## Speculative mode" in md and "1.000" in md
+
+
+def test_sections_option(tmp_path: Path) -> None:
+    model = build_tiny_model(tmp_path / "model", weight_std=0.2, max_pos=2048)
+    out = tmp_path / "out"
+    argv = [
+        "bench", "report", "--model", str(model), "--out", str(out), "--batch-sizes", "2",
+        "--max-tokens", "4", "--repeats", "1", "--threshold", "0.05", "--no-hf",
+        "--policies", "per_sequence", "--kv-fills", "fill", "--sections", "speculative",
+        "--num-draft-tokens", "2,3",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    r = json.loads((out / "report.json").read_text())
+    assert "paper" not in r and [x["num_draft_tokens"] for x in r["speculative"]] == [2, 3]
+    assert main([*argv[:-4], "--sections", "paper"]) == 2

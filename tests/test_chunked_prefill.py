@@ -192,3 +192,18 @@ def test_batch_all_decode_rows_exit_beside_prompt_chunks(
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         assert x.outputs[0].exit_layers[1:] == [1] * (len(x.outputs[0].exit_layers) - 1)
+
+
+def test_speculative_rows_beside_prompt_chunks_stay_lossless(tiny_varied_dir: Path) -> None:
+    """Threshold 0 drafts every token; verification rows share passes with prompt chunks."""
+    ex = ExitParams(mode="speculative", threshold=0.0, exit_layers=[1, 2, 3], num_draft_tokens=3)
+    on = engine(tiny_varied_dir, True, enable_prefix_caching=False)
+    off = engine(tiny_varied_dir, False)
+    ps = prompts(on)
+    sps = [greedy() for _ in ps]
+    a = _mixed_steps(on, ps, sps, ex)
+    b = off.generate(ps, sps, use_tqdm=False, exit_params=ExitParams(enabled=False))
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+    stats = [x.outputs[0].exit_stats for x in a]
+    assert any(s is not None and s.acceptance_rate is not None for s in stats), "no drafts"

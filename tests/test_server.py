@@ -200,6 +200,31 @@ def test_early_exit_field(server: Server, http: httpx.Client) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("early_exit")
 
 
+def test_speculative_early_exit_equals_full_depth(server: Server, http: httpx.Client) -> None:
+    body: dict[str, Any] = {
+        "model": server.model,
+        "prompt": "The quick brown fox",
+        "max_tokens": 10,
+        "ignore_eos": True,
+        "temperature": 0,
+        "logprobs": 0,
+    }
+    before = _metrics(http)
+    full = http.post("/v1/completions", json={**body, "early_exit": {"enabled": False}})
+    ee = {"mode": "speculative", "num_draft_tokens": 3, "threshold": 0.0}
+    spec = http.post("/v1/completions", json={**body, "early_exit": ee})
+    assert full.status_code == spec.status_code == 200, spec.text
+    assert spec.json()["choices"][0]["text"] == full.json()["choices"][0]["text"]
+    stats = spec.json()["early_exit"]
+    assert 0 <= stats["acceptance_rate"] <= 1 and stats["mean_draft_length"] > 0
+    after = _wait_idle(http)
+    drafted = after["eeserve_spec_draft_tokens_total"] - before["eeserve_spec_draft_tokens_total"]
+    accepted = (
+        after["eeserve_spec_accepted_tokens_total"] - before["eeserve_spec_accepted_tokens_total"]
+    )
+    assert drafted > 0 and 0 <= accepted <= drafted
+
+
 def test_bench_serve_smoke(server: Server) -> None:
     from eeserve.bench.serve import bench_serve, exit_modes, format_table
 
@@ -288,6 +313,8 @@ BAD = [
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"seed": 2**70}, "seed"),
     ("completions", {"model": 5}, "model"),
+    ("completions", {"early_exit": {"mode": "draft"}}, "early_exit.mode"),
+    ("completions", {"early_exit": {"num_draft_tokens": 0}}, "early_exit.num_draft_tokens"),
 ]
 
 

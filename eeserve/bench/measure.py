@@ -32,6 +32,11 @@ class Run:
     mean_exit_layer: float = 0.0
     decode_tokens_per_s: float = 0.0  # tokens after each request's first / decode wall time
     exit_layers: list[list[int]] = field(default_factory=list, repr=False)  # per request, token
+    # ``speculative`` mode: verified drafts and accepted ones over all requests, and per output
+    # token (draft layer or None, accepted or replaced or None) for acceptance per exit layer.
+    drafted: int = 0
+    accepted: int = 0
+    draft_records: list[tuple[int, bool]] = field(default_factory=list, repr=False)
 
 
 def run_engine(
@@ -58,6 +63,13 @@ def run_engine(
     outs = [done[k][1] for k in sorted(done, key=int)]
     itl = [(done[k][0] - first[k]) / max(1, max_tokens - 1) for k in done]
     layers = [x for o in outs for x in o.outputs[0].exit_layers[1:]]
+    stats = [o.outputs[0].exit_stats for o in outs]
+    records = [
+        (lay, bool(acc))
+        for o in outs
+        for lay, acc in zip(o.outputs[0].draft_layers or [], o.outputs[0].draft_accepted or [])
+        if lay is not None
+    ]
     return Run(
         tokens_per_s=len(prompts) * max_tokens / (end - start),
         mean_itl_ms=1000 * statistics.mean(itl),
@@ -65,6 +77,9 @@ def run_engine(
         mean_exit_layer=statistics.mean(layers) if layers else 0.0,
         decode_tokens_per_s=len(prompts) * (max_tokens - 1) / max(end - decode_start, 1e-9),
         exit_layers=[list(o.outputs[0].exit_layers) for o in outs],
+        drafted=sum(s.num_drafted or 0 for s in stats if s is not None),
+        accepted=sum(s.num_accepted or 0 for s in stats if s is not None),
+        draft_records=records,
     )
 
 

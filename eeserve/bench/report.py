@@ -40,6 +40,8 @@ from eeserve.bench.plots import plot_all
 from eeserve.bench.report_config import ReportConfig, canonical_command, config_from_args
 from eeserve.bench.report_md import render
 from eeserve.bench.report_run import ReportRun, run_blocks
+from eeserve.bench.speculative import speculative_blocks, speculative_rows
+from eeserve.bench.speculative import warm_up as spec_warm_up
 
 
 def run_report(cfg: ReportConfig) -> dict[str, Any]:
@@ -49,13 +51,19 @@ def run_report(cfg: ReportConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     run = ReportRun(cfg)
     run.warm_up()
+    exit_blocks = run.blocks() if "exit" in cfg.sections else []
+    spec_blocks = speculative_blocks(run) if "speculative" in cfg.sections else []
+    if spec_blocks:
+        spec_warm_up(run)
     t1 = time.perf_counter()
-    blocks = run.blocks()
+    blocks = exit_blocks + spec_blocks
     tokens = cfg.repeats * cfg.max_tokens * sum(b.batch * len(b.jobs) for b in blocks)
     with tqdm(total=tokens, desc="bench report", unit="tok", file=sys.stderr) as bar:
         done = run_blocks(blocks, cfg.repeats, 60 * cfg.time_budget_min, bar, cfg.max_tokens)
     t2 = time.perf_counter()
-    results: dict[str, Any] = run.rows(blocks)
+    results: dict[str, Any] = run.rows(exit_blocks) if exit_blocks else {}
+    if spec_blocks:
+        results["speculative"] = speculative_rows(run, spec_blocks)
     results["meta"] = run.meta() | {
         "canonical_command": canonical_command(cfg),
         "started": started,
@@ -95,7 +103,7 @@ def write(results: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "report.json", out / "report.md"]
     paths[0].write_text(json.dumps(results, indent=2, default=str))
-    plots = plot_all(results, out)
+    plots = plot_all(results, out) if "paper" in results else []
     paths[1].write_text(render(results, [p.name for p in plots]))
     return paths + plots
 
@@ -141,4 +149,12 @@ def add_report_parser(sub: Any) -> None:
     p.add_argument("--prompt-format", choices=["chat", "raw"], default="chat")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--note", default="", help="a line for the report (e.g. machine conditions)")
+    p.add_argument(
+        "--sections",
+        default="exit,speculative",
+        help="exit (sections 1-4) and/or speculative (speculative mode vs full depth)",
+    )
+    p.add_argument(
+        "--num-draft-tokens", default="4", help="speculative section: drafts per verification"
+    )
     p.set_defaults(func=main_report)

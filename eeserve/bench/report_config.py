@@ -54,6 +54,9 @@ class ReportConfig:
     quick: bool = False
     note: str = ""
     command: str = ""
+    # "exit": sections 1-4 (early exit as the paper's); "speculative": speculative mode vs full.
+    sections: list[str] = field(default_factory=lambda: ["exit", "speculative"])
+    num_draft_tokens: list[int] = field(default_factory=lambda: [4])
 
 
 def _floats(s: str) -> list[float]:
@@ -89,7 +92,17 @@ def config_from_args(args: argparse.Namespace) -> ReportConfig:
         quick=args.quick,
         note=args.note,
         command=_command_line(),
+        sections=_sections(args.sections),
+        num_draft_tokens=[int(n) for n in args.num_draft_tokens.split(",")],
     )
+
+
+def _sections(s: str) -> list[str]:
+    names = [x for x in s.split(",") if x]
+    bad = [x for x in names if x not in ("exit", "speculative")]
+    if bad or not names:
+        raise ValueError(f"--sections must list exit and/or speculative, got {s!r}")
+    return names
 
 
 def _command_line() -> str:
@@ -133,6 +146,10 @@ def canonical_command(cfg: ReportConfig) -> str:
         f"{cfg.time_budget_min:g}",
         "--prompt-format",
         "chat" if cfg.chat else "raw",
+        "--sections",
+        ",".join(cfg.sections),
+        "--num-draft-tokens",
+        ",".join(map(str, cfg.num_draft_tokens)),
     ]
     for flag, value in (
         ("--measure", cfg.measure),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from eeserve.bench.plots import layer_axis
+from eeserve.bench.speculative import speculative_section
 
 Row = dict[str, Any]
 
@@ -216,6 +217,16 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         f"Started {meta['started']}. Absolute figures compare only within this report; ratios "
         "are measured side by side in the same run.",
         setup_section(results),
+    ]
+    if "paper" in results:
+        parts += _exit_sections(results, plot)
+    if "speculative" in results:
+        parts.append(speculative_section(results))
+    return "\n\n".join(parts) + "\n"
+
+
+def _exit_sections(results: dict[str, Any], plot: dict[str, str]) -> list[str]:
+    return [
         "## Headline\n\nDecode tokens/s; early exit as speed ratio against full depth "
         "(> 1 is faster) with the ROUGE-L of its text against full depth.\n\n"
         + headline_table(results)
@@ -226,4 +237,3 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         hf_section(results, plot.get("throughput")),
         telemetry_section(results, plot.get("exit_layers")),
     ]
-    return "\n\n".join(parts) + "\n"

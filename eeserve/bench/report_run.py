@@ -242,7 +242,7 @@ class ReportRun:
         hf: Any = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype)
         return hf.to(self.device).eval()
 
-    def _engine_job(self, engine: LLMEngine, b: int, params: ExitParams) -> Callable[[], Run]:
+    def engine_job(self, engine: LLMEngine, b: int, params: ExitParams) -> Callable[[], Run]:
         return partial(run_engine, engine, self.prompts[:b], self.cfg.max_tokens, params)
 
     def _hf_job(self, b: int) -> Callable[[], Run]:
@@ -266,18 +266,18 @@ class ReportRun:
         full, params = ExitParams(enabled=False), ExitParams(threshold=threshold, measure=measure)
         out = []
         for b in self.batch_sizes:
-            jobs: list[Job] = [("full", self._engine_job(self.first, b, full))]
+            jobs: list[Job] = [("full", self.engine_job(self.first, b, full))]
             jobs += [
-                (f"{p}/{f}", self._engine_job(e, b, params)) for (p, f), e in self.engines.items()
+                (f"{p}/{f}", self.engine_job(e, b, params)) for (p, f), e in self.engines.items()
             ]
             if self.hf is not None:
                 jobs.append(("hf", self._hf_job(b)))
             out.append(Block(f"batch {b}", b, jobs))
         b = self.frontier_batch
-        jobs = [("full", self._engine_job(self.first, b, full))]
+        jobs = [("full", self.engine_job(self.first, b, full))]
         for m, t, _ in self.settings:
             jobs.append(
-                (f"{m}@{t:g}", self._engine_job(self.first, b, ExitParams(threshold=t, measure=m)))
+                (f"{m}@{t:g}", self.engine_job(self.first, b, ExitParams(threshold=t, measure=m)))
             )
         return [*out, Block(f"frontier, batch {b}", b, jobs)]
 

@@ -11,6 +11,8 @@ Contract:
 - ``commit`` hashes the sequence's full blocks once their K/V is written. The key covers the
   tokens and, for generated positions, the layer each was computed to, because an early-exited
   token's deep K/V is filled from a shallow state and must not stand in for a full-depth one.
+  The engine does not commit a speculative sequence while it has unverified drafts; ``truncate``
+  returns the blocks of rejected drafts.
 """
 
 from __future__ import annotations
@@ -141,6 +143,17 @@ class BlockManager:
             if block.block_hash is None:
                 block.block_hash = h
                 self._cached.setdefault(h, block.block_id)
+
+    def truncate(self, seq: Sequence) -> None:
+        """Give back the blocks past what ``seq.num_tokens`` needs (rejected speculative drafts).
+        Those blocks were taken for unverified positions, so none of them carries a hash."""
+        keep = self.blocks_needed(seq.num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.block_hash is None, "truncated a shared block"
+            self._free[block_id] = None
+        del seq.block_table[keep:]
 
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):

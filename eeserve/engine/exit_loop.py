@@ -13,6 +13,9 @@ Contract: ``ExitLoop.run`` steps the decoder layers over a batch whose rows may 
   KV debt. A later step carries the owed positions as passenger rows that join the sequence's new
   row at the layer above their exit, so every layer the new row reads has their K/V first;
   passengers stop where the new row stops and owe the rest.
+``speculative`` sequences always owe (whatever ``fill`` says): an exit is their draft. When such
+a sequence's row reaches full depth its passengers do too, and they get final-head logits as well
+(``ExitResult.verify_logits``): that is the verification of the drafts (``engine.speculative``).
 ``layer`` exit heads (``ExitHeads.layer_heads``): the check of exit layer l happens inside layer
 l + 1, between its attention and MLP halves. Every row runs layer l + 1's attention (so its K/V at
 l + 1 are written as usual); checked rows are measured on h_mid (softmax measures on the head's
@@ -60,6 +63,7 @@ class ExitBatch:
     policy: str
     fill: bool = True
     passengers: dict[int, Passenger] = field(default_factory=dict)  # row -> owed position
+    speculative: set[int] = field(default_factory=set)  # sequences whose exits are drafts
     # Sequences whose row is a prompt's (first token or a chunk): never checked, and no part of
     # the batch that ``batch_all`` waits for.
     prefill: set[int] = field(default_factory=set)
@@ -73,6 +77,9 @@ class ExitResult:
     layers_run: int
     # Per sequence, positions still owed after this step: position -> (layer reached, hidden).
     debts: list[dict[int, tuple[int, torch.Tensor]]]
+    # Speculative sequences whose row reached full depth: logits [k, V] of their passengers, in
+    # position order (the drafted positions being verified).
+    verify_logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -92,6 +99,7 @@ class _State:
     # Sequence -> LM-head input [D] of a row that left without logits yet: ``_finish`` projects
     # them together with the full-depth rows, one pass over the vocabulary weights per step.
     pending: dict[int, torch.Tensor] = field(default_factory=dict)
+    verify_logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ExitLoop:
@@ -109,6 +117,8 @@ class ExitLoop:
         self.heads = heads
         self.shared_head = shared_head
         self.layer_heads = not shared_head and heads is not None and heads.layer_heads
+        # Optional cheaper LM head for speculative drafts: the first V' rows of the vocabulary.
+        self.draft_head: torch.nn.Module | None = None
 
     def head_normed(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """LM-head input [n, D] of exit ``layer`` (1-based) from the head's input [n, D]: the
@@ -171,7 +181,7 @@ class ExitLoop:
                     if st.active:
                         rot, meta = self._reindex(st, rot0, meta0)
         logits = self._finish(st, b, seq_of_row)
-        return ExitResult(logits, st.exit_layer, st.conf, st.layers_run, st.debts)
+        return ExitResult(logits, st.exit_layer, st.conf, st.layers_run, st.debts, st.verify_logits)
 
     @staticmethod
     def _reindex(st: _State, rot0: Rotary, meta0: AttnMeta) -> tuple[Rotary, AttnMeta]:
@@ -224,11 +234,18 @@ class ExitLoop:
         idx = sorted(leave)
         h_left = st.h[torch.tensor(idx, dtype=torch.long, device=st.h.device)]
         rows_left = [st.active[i] for i in idx]
-        if b.fill:
-            st.fill_rows += rows_left
-            st.fill_h = h_left if st.fill_h is None else torch.cat([st.fill_h, h_left])
-        else:
-            self._owe(st, b, j, rows_left, h_left, seq_of_row)
+        owe = [
+            k
+            for k, r in enumerate(rows_left)
+            if not b.fill or _seq(r, b, seq_of_row) in b.speculative
+        ]
+        if len(owe) < len(idx):
+            fill = [k for k in range(len(idx)) if k not in set(owe)]
+            h_fill = _rows(h_left, fill)
+            st.fill_rows += [rows_left[k] for k in fill]
+            st.fill_h = h_fill if st.fill_h is None else torch.cat([st.fill_h, h_fill])
+        if owe:
+            self._owe(st, b, j, [rows_left[k] for k in owe], _rows(h_left, owe), seq_of_row)
         keep = [i for i in range(len(st.active)) if i not in leave]
         kept = torch.tensor(keep, dtype=torch.long, device=st.h.device)
         st.active = [st.active[i] for i in keep]
@@ -255,20 +272,26 @@ class ExitLoop:
     def _finish(self, st: _State, b: ExitBatch, seq_of_row: dict[int, int]) -> torch.Tensor:
         """The step's one LM-head pass (full-depth rows and rows that left without logits);
         returns every sequence's logits [S, V] in sequence order."""
-        for r in st.active:  # rows that ran every layer: nothing owed any more
+        verify: list[tuple[int, int, int]] = []  # (position in st.active, sequence, position)
+        for i, r in enumerate(st.active):  # rows that ran every layer: nothing owed any more
             if r in b.passengers:
                 p = b.passengers[r]
                 st.debts[p.seq].pop(p.position, None)
+                if p.seq in b.speculative:
+                    verify.append((i, p.seq, p.position))
+        self._draft_logits(st, b)
         pos = [i for i, r in enumerate(st.active) if r in seq_of_row]
         owners = [seq_of_row[st.active[i]] for i in pos] + list(st.pending)
         if not owners:
             return torch.stack(st.out_logits)  # type: ignore[arg-type]
-        parts: list[torch.Tensor] = []  # LM-head inputs, in ``owners`` order
-        if pos:
-            parts.append(self.model.final_norm(_rows(st.h, pos)))  # [P, D]
+        parts: list[torch.Tensor] = []  # LM-head inputs, in ``owners`` order, then ``verify``
+        if pos or verify:
+            parts.append(self.model.final_norm(_rows(st.h, pos + [v[0] for v in verify])))
         if st.pending:
             parts.append(torch.stack(list(st.pending.values())))  # [E, D]
         logits = self.lm_head(parts[0] if len(parts) == 1 else torch.cat(parts)).float()
+        if verify:
+            logits = self._split_verify(logits, len(pos), verify, st)
         if len(owners) == len(st.out_logits):  # no logits came from a check: at most a reorder
             where = {s: k for k, s in enumerate(owners)}
             return _rows(logits, [where[s] for s in range(len(owners))])
@@ -276,6 +299,31 @@ class ExitLoop:
             st.out_logits[s] = logits[k]
         assert all(x is not None for x in st.out_logits), "a sequence produced no logits"
         return torch.stack(st.out_logits)  # type: ignore[arg-type]
+
+    def _draft_logits(self, st: _State, b: ExitBatch) -> None:
+        """Speculative drafts waiting for logits go through the draft head (when there is one):
+        logits outside its vocabulary are -inf, so the draft is its argmax over that part."""
+        drafts = [s for s in st.pending if s in b.speculative]
+        if self.draft_head is None or not drafts:
+            return
+        part = self.draft_head(torch.stack([st.pending.pop(s) for s in drafts])).float()
+        vocab = self.model.config.vocab_size
+        logits = part.new_full((len(drafts), vocab), float("-inf"))
+        logits[:, : part.shape[1]] = part
+        for k, s in enumerate(drafts):
+            st.out_logits[s] = logits[k]
+
+    @staticmethod
+    def _split_verify(
+        logits: torch.Tensor, n_pos: int, verify: list[tuple[int, int, int]], st: _State
+    ) -> torch.Tensor:
+        """Takes the passenger rows' logits out of ``logits`` (rows n_pos .. n_pos + len(verify),
+        between the full-depth rows and the pending ones) into ``st.verify_logits``."""
+        vl = logits[n_pos : n_pos + len(verify)]
+        for s in {v[1] for v in verify}:
+            mine = sorted((v[2], k) for k, v in enumerate(verify) if v[1] == s)
+            st.verify_logits[s] = vl[[k for _, k in mine]]
+        return torch.cat([logits[:n_pos], logits[n_pos + len(verify) :]])
 
     def _check(
         self,
@@ -331,6 +379,12 @@ class ExitLoop:
             st.conf[seqs[k]] = float(c[k])
             leave.add(checked[k])
         return leave
+
+
+def _seq(row: int, b: ExitBatch, seq_of_row: dict[int, int]) -> int:
+    """The sequence a row belongs to (its sampled row or one of its passengers); -1 for a replayed
+    prefill row (those only exist for sequences that fill)."""
+    return b.passengers[row].seq if row in b.passengers else seq_of_row.get(row, -1)
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

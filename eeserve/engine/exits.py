@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from eeserve.exit_params import LOGIT_MEASURES, ExitParams
+from eeserve.exit_params import DEFAULT_NUM_DRAFT_TOKENS, LOGIT_MEASURES, ExitParams
 from eeserve.models.exit_config import ExitConfig
 
 
@@ -30,6 +30,8 @@ class ExitPlan:
 
     measure: str
     thresholds: dict[int, float]  # 1-based exit layer -> threshold
+    mode: str = "exit"  # "speculative": an exit drafts, the layers above verify
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
 
     @property
     def layers(self) -> list[int]:
@@ -73,7 +75,12 @@ def resolve_exit_plan(
         per_layer = dict(zip(layers, threshold))
     else:
         per_layer = dict.fromkeys(layers, float(threshold))
-    return ExitPlan(measure, {lay: t for lay, t in per_layer.items() if lay >= params.min_layer})
+    return ExitPlan(
+        measure,
+        {lay: t for lay, t in per_layer.items() if lay >= params.min_layer},
+        params.mode or cfg.default_mode,
+        params.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS,
+    )
 
 
 def calibrated_threshold(

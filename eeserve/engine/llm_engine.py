@@ -20,6 +20,7 @@ from eeserve.engine.exits import resolve_exit_plan
 from eeserve.engine.model_runner import ModelRunner, StepOutput
 from eeserve.engine.scheduler import Scheduler, SchedulerConfig
 from eeserve.engine.sequence import Sequence
+from eeserve.engine.speculative import SpecOutput
 from eeserve.exit_params import ExitParams
 from eeserve.models.exit_heads import load_exit_setup
 from eeserve.models.loader import load_model, resolve_model, sidecar_folders
@@ -184,6 +185,10 @@ class LLMEngine:
         return outputs
 
     def _apply(self, seq: Sequence, out: StepOutput, i: int) -> RequestOutput:
+        spec = out.spec[i] if out.spec else None
+        if spec is not None:
+            self._apply_spec(seq, spec, out.kv_debt[i], out.confidences[i])
+            return self._output(seq)
         seq.num_computed_tokens = seq.num_tokens
         # The exit layer of this pass is the depth of the last position just computed: record it
         # before ``commit`` hashes that position's block, or the key lacks it and never matches
@@ -204,6 +209,43 @@ class LLMEngine:
         if reason is not None:
             self._finish(seq, reason)
         return self._output(seq)
+
+    def _apply_spec(
+        self, seq: Sequence, r: SpecOutput, debt: dict[int, int] | None, confidence: float
+    ) -> None:
+        """A speculative step: keep a new draft (nothing is output, stop-checked or hashed), or
+        roll the drafts back to the verified tokens and apply those one by one."""
+        spec = seq.spec
+        assert spec is not None
+        seq.num_computed_tokens = seq.num_tokens
+        if r.drafted:
+            seq.kv_debt = debt or {}
+            seq.output_token_ids.append(r.token_ids[0])
+            spec.pending_layers.append(r.draft_layer)
+            return
+        # Every drafted position now has full-depth K/V; positions after the first rejected
+        # draft hold K/V of rejected tokens and are recomputed (overwritten) when reached.
+        layers = list(spec.pending_layers)
+        del seq.output_token_ids[seq.num_verified_output :]
+        spec.pending_layers = []
+        seq.kv_debt = {}
+        kept = 0
+        for t, lp in zip(r.token_ids, r.logprobs):
+            kept += 1
+            seq.exit_layers.append(self.model_config.num_layers)
+            seq.output_token_ids.append(t)
+            seq.exit_confidences.append(confidence)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            reason = self._check_stop(seq, t)
+            if reason is not None:
+                self._finish(seq, reason)
+                break
+        spec.record(layers, r.num_accepted, kept)
+        if not seq.is_finished:
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self.block_manager.truncate(seq)
+            self.block_manager.commit(seq)
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.sampling_params
@@ -247,15 +289,26 @@ class LLMEngine:
             layers_saved_fraction=1 - sum(seq.exit_layers) / (n * num_layers) if n else 0.0,
             num_layers=num_layers,
         )
+        spec = seq.spec
+        if spec is not None:
+            stats.acceptance_rate = (
+                spec.num_accepted / spec.num_drafted if spec.num_drafted else 0.0
+            )
+            stats.mean_draft_length = spec.num_drafted / max(1, spec.num_verifications)
+            stats.num_drafted, stats.num_accepted = spec.num_drafted, spec.num_accepted
+            drafted = [x for x in spec.draft_layers if x is not None]
+            stats.mean_draft_layer = sum(drafted) / len(drafted) if drafted else None
         completion = CompletionOutput(
             index=0,
             text=text,
-            token_ids=list(seq.output_token_ids),
+            token_ids=seq.output_token_ids[: seq.num_verified_output],
             finish_reason=seq.finish_reason,
             exit_layers=list(seq.exit_layers),
             exit_confidences=list(seq.exit_confidences),
             exit_stats=stats,
             logprobs=list(seq.logprobs) if seq.sampling_params.logprobs is not None else None,
+            draft_layers=list(spec.draft_layers) if spec is not None else None,
+            draft_accepted=list(spec.accepted) if spec is not None else None,
         )
         return RequestOutput(
             seq.request_id,

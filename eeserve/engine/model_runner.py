@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.engine.exit_loop import ExitBatch, ExitLoop, Passenger
-from eeserve.engine.sampler import Sampler
+from eeserve.engine.sampler import Sampler, token_logprobs
 from eeserve.engine.sequence import Sequence
+from eeserve.engine.speculative import DRAFT_MAX_BATCH, SpecDecoder, SpecOutput
 from eeserve.kernels.native import load as load_native
 from eeserve.kernels.packing import (
     PackedLinear,
@@ -45,6 +47,8 @@ class StepOutput:
     # ``recompute``: per sequence, the positions owed after this step -> layer reached (None:
     # unchanged).
     kv_debt: list[dict[int, int] | None] = field(default_factory=list)
+    # ``speculative`` sequences: a new draft or a verification's tokens (None: other modes).
+    spec: list[SpecOutput | None] = field(default_factory=list)
 
 
 @dataclass
@@ -89,6 +93,7 @@ class ModelRunner:
         cos, sin = rope_tables(config, max_model_len)
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
         self.sampler = Sampler()
+        self.spec = SpecDecoder(self.sampler)
         self.lm_head: torch.nn.Module = model.lm_head
         if native is not None:
             use_native_ops(model, native)
@@ -104,6 +109,15 @@ class ModelRunner:
         self.kv_fill = kv_fill
         shared = exit_config is None or exit_config.head == "shared"
         self.exit_loop = ExitLoop(model, self.kv, self.lm_head, exit_heads, shared)
+        if exit_config is not None and 0 < exit_config.draft_vocab < config.vocab_size:
+            self.set_draft_vocab(exit_config.draft_vocab)
+
+    def set_draft_vocab(self, n: int) -> None:
+        """Speculative drafts over the first ``n`` token ids (0: the whole vocabulary)."""
+        weight = self.model.lm_head.weight[:n].detach()
+        packable = can_pack(self.device, self.dtype, self.config.hidden_size)
+        head = PackedLinear(weight, None) if packable else partial(F.linear, weight=weight)
+        self.exit_loop.draft_head = head if 0 < n < self.config.vocab_size else None  # type: ignore[assignment]
 
     # -- inputs ------------------------------------------------------------------------------
 
@@ -168,7 +182,9 @@ class ModelRunner:
         # The first token comes from the prefill, which never exits; a prompt chunk that stops
         # short of the last token samples nothing and is no part of ``batch_all``'s batch.
         decoding = [bool(s.output_token_ids) and ok for s, ok in zip(seqs, sampling)]
-        plans = [s.exit_plan if d else None for s, d in zip(seqs, decoding)]
+        plans = [s.step_plan() if d else None for s, d in zip(seqs, decoding)]
+        if sum(decoding) > DRAFT_MAX_BATCH:  # too many rows for drafting to pay: verify instead
+            plans = [None if s.spec is not None else p for s, p in zip(seqs, plans)]
         forced: dict[int, int] = {}
         passengers: dict[int, Passenger] = {}
         full = self.config.num_layers
@@ -183,14 +199,24 @@ class ModelRunner:
             return None
         last_pos = [span.q_positions[-1] for span in batch.meta.spans]
         fill = self.kv_fill == "fill"
+        spec = {i for i, s in enumerate(seqs) if s.spec is not None}
         prefill = {i for i, d in enumerate(decoding) if not d}
         return ExitBatch(
-            batch.last_rows, last_pos, plans, forced, self.exit_policy, fill, passengers, prefill
+            batch.last_rows,
+            last_pos,
+            plans,
+            forced,
+            self.exit_policy,
+            fill,
+            passengers,
+            spec,
+            prefill,
         )
 
     def release(self, seq_id: int) -> None:
         """Forget per-request tensors (sampling generator, owed hidden states)."""
         self.sampler.release(seq_id)
+        self.spec.release(seq_id)
         self._debt_hidden.pop(seq_id, None)
 
     @torch.inference_mode()
@@ -199,11 +225,14 @@ class ModelRunner:
         for seq in seqs:
             if not seq.kv_debt:  # paid, or dropped by preemption (recomputed at full depth)
                 self._debt_hidden.pop(seq.seq_id, None)
+            if seq.num_draft_tokens == 0:  # verified, or dropped by preemption
+                self.spec.release(seq.seq_id)
         counts = num_tokens if num_tokens is not None else [s.num_new_tokens for s in seqs]
         sampling = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts)]
         batch = self.prepare(seqs, counts)
         full = self.config.num_layers
         kv_debt: dict[int, dict[int, int]] = {}
+        verify_logits: dict[int, torch.Tensor] = {}
         eb = self._exit_batch(seqs, batch, sampling)
         if eb is None:
             normed, layers_run = self.forward(batch)
@@ -215,45 +244,70 @@ class ModelRunner:
             res = self.exit_loop.run(h, rot, batch.meta, eb)
             logits, layers_run = res.logits, res.layers_run
             exit_layers, confs = res.exit_layers, res.confidences
-            if not eb.fill:
-                for seq, debt in zip(seqs, res.debts):
+            verify_logits = res.verify_logits
+            for i, (seq, debt) in enumerate(zip(seqs, res.debts)):
+                if not eb.fill or i in eb.speculative:
                     kv_debt[seq.seq_id] = {p: layer for p, (layer, _) in debt.items()}
                     self._debt_hidden[seq.seq_id] = {p: h for p, (_, h) in debt.items()}
-        if not all(sampling):  # prompt chunks draw nothing from their seeded generators
-            rows = [i for i, ok in enumerate(sampling) if ok]
-            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-            seqs = [seqs[i] for i in rows]
-        tokens = self.sampler.sample(
-            logits, [s.sampling_params for s in seqs], [s.seq_id for s in seqs]
-        )
-        sampled = iter(tokens.tolist())
-        lps = iter(_logprobs(logits, seqs, tokens))
-        return StepOutput(
-            token_ids=[next(sampled) if ok else None for ok in sampling],
+        # A speculative row that reached full depth verifies; its token comes from ``verify``.
+        # A prompt chunk short of its last token samples nothing (its seeded generator waits).
+        verifying = [
+            ok and s.spec is not None and exit_layers[i] == full
+            for i, (s, ok) in enumerate(zip(seqs, sampling))
+        ]
+        rows = [i for i, (v, ok) in enumerate(zip(verifying, sampling)) if ok and not v]
+        tokens = torch.zeros(len(seqs), dtype=torch.long)
+        if rows:
+            picked = self.sampler.sample(
+                logits[rows] if len(rows) < len(seqs) else logits,
+                [seqs[i].sampling_params for i in rows],
+                [seqs[i].seq_id for i in rows],
+            )
+            tokens[rows] = picked.cpu()
+        skip = [s.spec is not None or not ok for s, ok in zip(seqs, sampling)]
+        out = StepOutput(
+            token_ids=[t if ok else None for t, ok in zip(tokens.tolist(), sampling)],
             exit_layers=exit_layers,
             confidences=confs,
-            logprobs=[next(lps) if ok else None for ok in sampling],
+            logprobs=_logprobs(logits, seqs, tokens, skip),
             layers_run=layers_run,
             kv_debt=[kv_debt.get(s.seq_id) for s in seqs],
         )
+        out.spec = [
+            self._spec_output(seq, i, logits, verify_logits, out) if seq.spec and ok else None
+            for i, (seq, ok) in enumerate(zip(seqs, sampling))
+        ]
+        return out
+
+    def _spec_output(
+        self,
+        seq: Sequence,
+        i: int,
+        logits: torch.Tensor,
+        verify_logits: dict[int, torch.Tensor],
+        out: StepOutput,
+    ) -> SpecOutput:
+        """Sequence ``i``'s draft (its row left at an exit) or verification (full depth)."""
+        params = seq.sampling_params
+        if out.exit_layers[i] < self.config.num_layers:
+            token = out.token_ids[i]
+            assert token is not None, "a draft is sampled"
+            return self.spec.draft(seq.seq_id, params, logits[i], token, out.exit_layers[i])
+        k = seq.num_draft_tokens
+        drafts = seq.output_token_ids[len(seq.output_token_ids) - k :]
+        owed = verify_logits.get(i, logits[:0])
+        assert owed.shape[0] == k, f"{owed.shape[0]} verified positions for {k} drafts"
+        full = torch.cat([owed, logits[i : i + 1]])  # [k+1, V]
+        return self.spec.verify(seq.seq_id, params, drafts, full)
 
 
 def _logprobs(
-    logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor
+    logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor, skip: list[bool]
 ) -> list[dict[int, float] | None]:
     """Top-n log-probabilities of the raw model distribution, plus the sampled token's, for rows
-    that asked for them."""
+    that asked for them (``skip``: speculative rows, whose logprobs come with verified tokens)."""
     out: list[dict[int, float] | None] = []
     for i, seq in enumerate(seqs):
         n = seq.sampling_params.logprobs
-        if n is None:
-            out.append(None)
-            continue
-        lp = logits[i].log_softmax(-1)
-        tok = int(tokens[i])
-        entry = {tok: float(lp[tok])}  # the sampled token always, then the top n (vLLM)
-        if n > 0:
-            top = lp.topk(n)
-            entry.update(zip(top.indices.tolist(), top.values.tolist()))
-        out.append(entry)
+        out.append(None if n is None or skip[i] else token_logprobs(logits[i], int(tokens[i]), n))
     return out

@@ -32,14 +32,15 @@ class Sampler:
             return tokens
         probs = self.probabilities(logits[rows], [params[i] for i in rows])
         for j, i in enumerate(rows):
-            gen = self._generator(seq_ids[i], params[i].seed, logits.device)
+            gen = self.generator(seq_ids[i], params[i].seed, logits.device)
             race = torch.empty_like(probs[j]).exponential_(generator=gen)
             tokens[i] = (probs[j] / race).argmax()
         return tokens
 
-    def _generator(
+    def generator(
         self, seq_id: int, seed: int | None, device: torch.device
     ) -> torch.Generator | None:
+        """The request's own generator (None without a seed: the global one)."""
         if seed is None:
             return None
         gen = self._generators.get(seq_id)
@@ -68,3 +69,14 @@ class Sampler:
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         return logits.softmax(dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, token: int, n: int) -> dict[int, float]:
+    """Log-probabilities of the raw distribution (logits [V]): the chosen token's always, then
+    the top ``n`` (vLLM)."""
+    lp = logits.float().log_softmax(-1)
+    entry = {token: float(lp[token])}
+    if n > 0:
+        top = lp.topk(n)
+        entry.update(zip(top.indices.tolist(), top.values.tolist()))
+    return entry

@@ -135,8 +135,10 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
-        # Recomputation at full prompt depth pays any outstanding KV debt.
+        # Recomputation at full prompt depth pays any outstanding KV debt; unverified
+        # speculative drafts are dropped (only verified tokens are recomputed).
         seq.kv_debt.clear()
+        seq.discard_drafts()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -3,6 +3,8 @@
 Contract: pure Python, no tensors. A ``Sequence`` holds its tokens, its block table, how many of
 its tokens already have K/V in the cache, and its early-exit record (exit layer and confidence per
 generated token, and the positions whose deep-layer K/V is still owed under ``recompute``).
+In ``speculative`` mode ``output_token_ids`` ends with the pending (unverified) drafts; everything
+that outputs, stop-checks or hashes reads only the verified part (``num_verified_output``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from eeserve.engine.exits import ExitPlan
+from eeserve.engine.speculative import SpecState
 from eeserve.exit_params import ExitParams
 from eeserve.sampling_params import SamplingParams
 
@@ -47,6 +50,12 @@ class Sequence:
     kv_debt: dict[int, int] = field(default_factory=dict)
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    spec: SpecState | None = None  # speculative mode: drafts, adaptive limit, telemetry
+
+    def __post_init__(self) -> None:
+        plan = self.exit_plan
+        if self.spec is None and plan is not None and plan.mode == "speculative":
+            self.spec = SpecState(plan.num_draft_tokens)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -59,6 +68,32 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Unverified drafts at the end of ``output_token_ids``."""
+        return self.spec.num_pending if self.spec is not None else 0
+
+    @property
+    def num_verified_output(self) -> int:
+        return len(self.output_token_ids) - self.num_draft_tokens
+
+    def step_plan(self) -> ExitPlan | None:
+        """The exit plan of the next forward pass: none for the prefill's first token, and none
+        for a speculative sequence that may not draft now (that pass verifies)."""
+        if not self.output_token_ids or self.exit_plan is None:
+            return None
+        spec = self.spec
+        if spec is not None and not spec.can_draft(
+            self.num_verified_output, self.sampling_params.max_tokens
+        ):
+            return None
+        return self.exit_plan
+
+    def discard_drafts(self) -> None:
+        """Drop unverified drafts (preemption: only verified tokens are recomputed)."""
+        if self.spec is not None and (k := self.spec.discard_pending()):
+            del self.output_token_ids[-k:]
 
     @property
     def is_finished(self) -> bool:

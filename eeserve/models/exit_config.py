@@ -28,6 +28,11 @@ class ExitConfig:
     # Sidecar v2, a model trained to exit (``models.base_delta``): {"rank", "scale", "file",
     # "base_model_hash"}; None: the base weights are used as they are.
     base_delta: dict[str, str | int | float] | None = None
+    default_mode: str = "exit"  # "exit" or "speculative" (when a request names no mode)
+    # Speculative drafts are projected onto the first ``draft_vocab`` token ids only (a BPE
+    # vocabulary is roughly frequency-ordered); 0: the whole vocabulary. Verification keeps the
+    # output exact whatever the draft head is; a smaller one makes drafting cheaper.
+    draft_vocab: int = 0
 
 
 def default_shared_exit_layers(num_layers: int) -> list[int]:

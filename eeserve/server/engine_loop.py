@@ -126,6 +126,8 @@ class _Tracked:
     arrival: float
     last: float = 0.0
     seen_tokens: int = 0
+    seen_drafted: int = 0
+    seen_accepted: int = 0
 
 
 @dataclass
@@ -339,6 +341,16 @@ class EngineLoop:
             m.layers_saved.inc(self.num_layers - layer)
             m.layers_total.inc(self.num_layers)
         tracked.seen_tokens = len(c.token_ids)
+        self._record_spec(tracked, out)
+
+    def _record_spec(self, tracked: _Tracked, out: RequestOutput) -> None:
+        """Drafted / accepted counters from the request's running totals (speculative mode)."""
+        st = out.outputs[0].exit_stats
+        if st is None or st.num_drafted is None:
+            return
+        self.metrics.spec_drafted.inc(st.num_drafted - tracked.seen_drafted)
+        self.metrics.spec_accepted.inc((st.num_accepted or 0) - tracked.seen_accepted)
+        tracked.seen_drafted, tracked.seen_accepted = st.num_drafted, st.num_accepted or 0
 
     def _update_gauges(self) -> None:
         sched = self.engine.scheduler

@@ -66,20 +66,23 @@ def token_piece(
     return (text if last else text.rstrip("\ufffd"))[done:], complete
 
 
-def exit_stats(layer_lists: list[list[int]], num_layers: int) -> dict[str, Any]:
-    layers = [x for ls in layer_lists for x in ls]
-    if not layers:
-        return {
-            "mean_exit_layer": float(num_layers),
-            "layers_saved_fraction": 0.0,
-            "num_layers": num_layers,
-        }
+def exit_stats(outputs: list[CompletionOutput], num_layers: int) -> dict[str, Any]:
+    """Exit statistics over ``outputs``; speculative ones add the acceptance rate and mean draft
+    length (averaged over the choices that drafted)."""
+    layers = [x for c in outputs for x in c.exit_layers]
     total = sum(layers)
-    return {
-        "mean_exit_layer": total / len(layers),
-        "layers_saved_fraction": 1 - total / (len(layers) * num_layers),
+    out: dict[str, Any] = {
+        "mean_exit_layer": total / len(layers) if layers else float(num_layers),
+        "layers_saved_fraction": 1 - total / (len(layers) * num_layers) if layers else 0.0,
         "num_layers": num_layers,
     }
+    spec = [
+        c.exit_stats for c in outputs if c.exit_stats and c.exit_stats.acceptance_rate is not None
+    ]
+    if spec:
+        out["acceptance_rate"] = sum(s.acceptance_rate or 0.0 for s in spec) / len(spec)
+        out["mean_draft_length"] = sum(s.mean_draft_length or 0.0 for s in spec) / len(spec)
+    return out
 
 
 @dataclass
@@ -153,14 +156,14 @@ class Formatter:
         choice["finish_reason"] = _finish_reason(c.finish_reason)
         choice["exit_tokens"] = exit_tokens
         if finished:
-            choice["early_exit"] = exit_stats([c.exit_layers], self.num_layers)
+            choice["early_exit"] = exit_stats([c], self.num_layers)
         return self._envelope([choice], chunk=True)
 
     def usage_chunk(self, prompt_lens: list[int]) -> dict[str, Any]:
         finals = [st.final for st in self.states if st.final is not None]
         body = self._envelope([], chunk=True)
         body["usage"] = _usage(prompt_lens, finals)
-        body["early_exit"] = exit_stats([c.exit_layers for c in finals], self.num_layers)
+        body["early_exit"] = exit_stats(finals, self.num_layers)
         return body
 
     # -- whole responses ----------------------------------------------------------------------
@@ -179,11 +182,11 @@ class Formatter:
                 choice["message"] = {"role": "assistant", "content": c.text}
             choice["logprobs"] = logprobs
             choice["finish_reason"] = _finish_reason(c.finish_reason)
-            choice["early_exit"] = exit_stats([c.exit_layers], self.num_layers)
+            choice["early_exit"] = exit_stats([c], self.num_layers)
             choices.append(choice)
         body = self._envelope(choices, chunk=False)
         body["usage"] = _usage(prompt_lens, finals)
-        body["early_exit"] = exit_stats([c.exit_layers for c in finals], self.num_layers)
+        body["early_exit"] = exit_stats(finals, self.num_layers)
         return body
 
     # -- pieces -------------------------------------------------------------------------------

@@ -77,6 +77,16 @@ class ServerMetrics:
         self.layers_total = Counter(
             "eeserve_layers", "Decoder-layer computations a full-depth decode would run", registry=r
         )
+        self.spec_drafted = Counter(
+            "eeserve_spec_draft_tokens",
+            "Speculative mode: drafted tokens that were verified (accepted or not)",
+            registry=r,
+        )
+        self.spec_accepted = Counter(
+            "eeserve_spec_accepted_tokens",
+            "Speculative mode: drafted tokens that full depth accepted",
+            registry=r,
+        )
         self.running = Gauge("eeserve_num_requests_running", "Running requests", registry=r)
         self.waiting = Gauge("eeserve_num_requests_waiting", "Waiting requests", registry=r)
         self.kv_blocks_used = Gauge("eeserve_kv_blocks_used", "KV cache blocks in use", registry=r)

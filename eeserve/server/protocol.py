@@ -30,6 +30,12 @@ class EarlyExitOptions(_Strict):
     )
     measure: Literal["softmax_margin", "max_prob", "hidden_cosine", "classifier"] | None = None
     min_layer: int = Field(1, ge=1, description="no exit below this layer (1-based)")
+    mode: Literal["exit", "speculative"] | None = Field(
+        None, description="speculative: exits draft, the deep layers verify (output = full depth)"
+    )
+    num_draft_tokens: int | None = Field(
+        None, ge=1, le=64, description="speculative: most drafts before a verification"
+    )
 
     @field_validator("threshold")
     @classmethod
@@ -133,6 +139,8 @@ class EarlyExitStats(BaseModel):
     mean_exit_layer: float = Field(description="over generated tokens; num_layers = full depth")
     layers_saved_fraction: float
     num_layers: int
+    acceptance_rate: float | None = Field(None, description="speculative: accepted / drafted")
+    mean_draft_length: float | None = Field(None, description="speculative: drafts/verification")
 
 
 class CompletionLogprobs(BaseModel):

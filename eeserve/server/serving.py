@@ -104,6 +104,8 @@ def to_exit_params(opts: EarlyExitOptions | None, num_layers: int) -> ExitParams
         enabled=opts.enabled, threshold=opts.threshold, measure=opts.measure
     )
     kwargs["min_layer"] = opts.min_layer
+    kwargs["mode"] = opts.mode
+    kwargs["num_draft_tokens"] = opts.num_draft_tokens
     if opts.tolerance is not None:
         if "tolerance" not in {f.name for f in dataclasses.fields(ExitParams)}:
             raise ApiError(
