@@ -6,7 +6,8 @@ same folder, this engine with weight-only int8 (``quantization="int8"``), llama.
 GGUF. Each repeat runs all four back to back (so machine load hits them alike); the median decode
 tok/s of each is reported with the ratios engine/llama.cpp, and beside them the quality: greedy
 token agreement and ROUGE-L of int8 against float32 (this engine), and of llama.cpp F32 against
-this engine's float32 (a check that both run the same model). Without llama-cpp-python the section
+this engine's float32 (a check that both run the same model), and the held-out perplexity of
+float32 and int8 (``bench.perplexity``). Without llama-cpp-python the section
 is skipped with ``llamacpp.INSTALL_HINT``.
 """
 
@@ -21,6 +22,7 @@ import torch
 
 from eeserve.bench import llamacpp
 from eeserve.bench.measure import Run, median_of, quality_vs, run_engine
+from eeserve.bench.perplexity import heldout_perplexity
 from eeserve.config import EngineConfig
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.models.loader import resolve_model
@@ -87,7 +89,11 @@ def bench_peer(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for peer in peers:
             peer.close()
+    folder = resolve_model(args.model)
+    ppl = {name: heldout_perplexity(folder, name == "int8") for name in ("float32", "int8")}
+    print(f"held-out perplexity: float32 {ppl['float32']:.3f}  int8 {ppl['int8']:.3f}", flush=True)
     return {
+        "heldout_perplexity": ppl,
         "threads": args.threads or torch.get_num_threads(),
         "load_average_end": os.getloadavg(),
         "rows": rows,
