@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from functools import partial
 from typing import Any
 
@@ -35,6 +36,11 @@ RUNNERS = (
     ("eeserve int8", "int8"),
     ("llama.cpp Q8_0", "q8_0"),
 )
+
+
+# Untimed pause before each run: the previous runner's OpenMP threads (PyTorch's or llama.cpp's)
+# spin for a moment after their last work; on 2 cores that spin would be charged to the next one.
+_SETTLE_S = 0.5
 
 
 def _runners(
@@ -83,6 +89,7 @@ def bench_peer(args: argparse.Namespace) -> dict[str, Any]:
             runs: dict[str, list[Run]] = {label: [] for label in runners}
             for _ in range(args.repeats):
                 for label, fn in runners.items():
+                    time.sleep(_SETTLE_S)
                     runs[label].append(fn(prompts[:b], args.max_tokens))
             med = {label: median_of(r, "decode_tokens_per_s") for label, r in runs.items()}
             rows.append(_row(b, med, engine_tok))
