@@ -1,7 +1,8 @@
 """Engine configuration: one dataclass, validated, with the derived device and dtype.
 
 Contract: ``EngineConfig`` holds every engine-level option (model, dtype, device, KV budget,
-batching limits, prefix caching, early-exit policy and KV-debt strategy, CPU kernels). Invalid
+batching limits, prefix caching, early-exit policy and KV-debt strategy, CPU kernels, weight-only
+quantisation). Invalid
 values raise ``ValueError`` naming the field. ``resolved_device``/``resolved_dtype`` turn "auto"
 into real values: float32 on CPU, bfloat16 on CUDA. ``eeserve_home()`` is where the engine keeps
 what it makes once per machine (converted models, built kernels): ``$EESERVE_HOME``, default
@@ -18,6 +19,7 @@ import torch
 
 EXIT_POLICIES = ("per_sequence", "batch_all", "none")
 KV_FILL_STRATEGIES = ("fill", "recompute")
+QUANTIZATIONS = ("int8",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -40,6 +42,8 @@ class EngineConfig:
     kv_fill: str = "fill"
     # The engine's fused CPU kernels (eeserve/csrc, built once per machine); off: PyTorch ops only.
     cpu_kernels: bool = True
+    # Weight-only quantisation of the projections and LM head at load (None: the dtype's weights).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -63,6 +67,10 @@ class EngineConfig:
             )
         if self.kv_fill not in KV_FILL_STRATEGIES:
             raise ValueError(f"kv_fill must be one of {KV_FILL_STRATEGIES}, got {self.kv_fill!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

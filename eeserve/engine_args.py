@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from eeserve.config import EXIT_POLICIES, KV_FILL_STRATEGIES, EngineConfig
+from eeserve.config import EXIT_POLICIES, KV_FILL_STRATEGIES, QUANTIZATIONS, EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -38,6 +38,12 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--exit-policy", default="per_sequence", choices=EXIT_POLICIES)
     p.add_argument("--kv-fill", default="fill", choices=KV_FILL_STRATEGIES)
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="weight-only int8 projections and LM head (activations stay in --dtype)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -54,4 +60,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         exit_policy=args.exit_policy,
         kv_fill=args.kv_fill,
+        quantization=args.quantization,
     )

@@ -14,6 +14,7 @@ from eeserve.bench.arrivals import add_arrival_args, run_arrivals
 from eeserve.bench.compare import main
 from eeserve.bench.report import add_report_parser
 from eeserve.bench.serve import add_bench_serve_parser, run_bench_serve
+from eeserve.config import QUANTIZATIONS
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -26,7 +27,17 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/bench.json")
-    p.add_argument("--sections", default="hf,exits", help="hf (engine vs HF), exits, or both")
+    p.add_argument(
+        "--sections",
+        default="hf,exits",
+        help="comma-separated: hf (engine vs HF), exits, peer (vs llama.cpp; needs [peer])",
+    )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="the engine's weights in the hf and exits sections (peer runs float32 and int8)",
+    )
     p.add_argument("--policies", default="per_sequence,batch_all")
     p.add_argument("--kv-fills", default="fill", help="fill, recompute or both")
     p.add_argument("--thresholds", default="0.5,0.8,0.9,0.95")

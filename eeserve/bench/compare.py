@@ -26,6 +26,7 @@ from eeserve.bench.measure import (
     run_hf,
     token_agreement_mean,
 )
+from eeserve.bench.peer import bench_peer
 from eeserve.config import EngineConfig
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.models.loader import resolve_model
@@ -45,6 +46,7 @@ def bench_vs_hf(args: argparse.Namespace) -> dict[str, Any]:
                 enable_prefix_caching=False,
                 max_num_seqs=max(batch_sizes),
                 exit_policy="none",
+                quantization=args.quantization,
             )
         )
         hf = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=getattr(torch, dtype))
@@ -86,6 +88,8 @@ def main(args: argparse.Namespace) -> int:
     results["machine"]["load_average_at_start"] = os.getloadavg()
     if "hf" in sections:
         results.update(bench_vs_hf(args))
+    if "peer" in sections:
+        results["peer"] = bench_peer(args)
     if "exits" in sections:
         tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
         batch = max(int(b) for b in args.batch_sizes.split(","))

@@ -36,6 +36,7 @@ def bench_exits(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict
                     kv_fill=kv_fill,
                     enable_prefix_caching=False,
                     max_num_seqs=max(batch_sizes),
+                    quantization=args.quantization,
                 )
             )
             run_engine(engine, prompts[:2], 4, ExitParams(enabled=False))  # warm-up

@@ -98,6 +98,7 @@ class LLMEngine:
             config.exit_policy,
             config.kv_fill,
             config.cpu_kernels,
+            config.quantization,
         )
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, _Detok] = {}

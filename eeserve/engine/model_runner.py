@@ -31,6 +31,7 @@ from eeserve.kernels.packing import (
     pack_linears,
     use_native_ops,
 )
+from eeserve.kernels.quant import Int8Linear, quantize_linears, quantize_model
 from eeserve.models.config import ModelConfig, rope_tables
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import ExitHeads
@@ -74,6 +75,7 @@ class ModelRunner:
         exit_policy: str = "per_sequence",
         kv_fill: str = "fill",
         cpu_kernels: bool = True,
+        quantization: str | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -97,12 +99,19 @@ class ModelRunner:
         self.lm_head: torch.nn.Module = model.lm_head
         if native is not None:
             use_native_ops(model, native)
-        if can_pack(device, dtype, config.hidden_size):
-            pack_for_cpu(model)
-            self.lm_head = PackedLinear(model.lm_head.weight, None)
         if exit_heads is not None:
             exit_heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
-            if can_pack(device, dtype, config.hidden_size):
+        if quantization == "int8":
+            # Every size, tiny test models included: quantisation is asked for, not a speed-up.
+            ops = native if device.type == "cpu" else None
+            quantize_model(model, ops)
+            self.lm_head = Int8Linear(model.lm_head.weight, None, ops)
+            if exit_heads is not None:
+                quantize_linears(exit_heads, ops)
+        elif can_pack(device, dtype, config.hidden_size):
+            pack_for_cpu(model)
+            self.lm_head = PackedLinear(model.lm_head.weight, None)
+            if exit_heads is not None:
                 pack_linears(exit_heads)
         self._debt_hidden: dict[int, dict[int, torch.Tensor]] = {}
         self.exit_policy = exit_policy

@@ -1,4 +1,4 @@
-"""The engine's own CPU kernels (``csrc/cpu_ops.cpp``): built once per machine, loaded on demand.
+"""The engine's own CPU kernels (``csrc/*.cpp``): built once per machine, loaded on demand.
 
 Contract: ``load()`` returns ``NativeOps`` when the kernels are usable, else None (and logs why
 once): no C++ compiler, a failed build, ``EESERVE_NATIVE=0``, or a platform other than Linux.
@@ -26,7 +26,7 @@ import torch
 from eeserve.config import eeserve_home
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "int8_ops.cpp"))
 _lock = threading.Lock()
 
 
@@ -60,6 +60,13 @@ class NativeOps:
         """[N, 2I] (gate, then up) -> silu(gate) * up [N, I]."""
         return self.ops.silu_mul(gate_up)  # type: ignore[no-any-return]
 
+    def int8_linear(
+        self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, K] float32/bfloat16; qweight int8 in ``quant.pack_int8``'s layout; scale [N]
+        float32; bias [N] float32 or None -> [M, N] in x's dtype."""
+        return self.ops.int8_linear(x, qweight, scale, bias)  # type: ignore[no-any-return]
+
 
 def _cpu_key() -> str:
     """What the compiled code depends on: the source, torch, and this CPU's instruction set."""
@@ -72,7 +79,7 @@ def _cpu_key() -> str:
     except OSError:
         pass
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cpu.encode()):
+    for part in (*(s.read_bytes() for s in SOURCES), torch.__version__.encode(), cpu.encode()):
         h.update(part)
     return h.hexdigest()[:16]
 
@@ -110,7 +117,7 @@ def load() -> NativeOps | None:
             log.info("eeserve CPU kernels: loading (built once into %s)", out)
             build(
                 name="eeserve_cpu_ops",
-                sources=[str(SOURCE)],
+                sources=[str(s) for s in SOURCES],
                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(out),
