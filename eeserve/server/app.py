@@ -32,6 +32,7 @@ from eeserve.engine.llm_engine import LLMEngine
 from eeserve.server.engine_loop import EngineLoop
 from eeserve.server.formatting import TokenStrings
 from eeserve.server.metrics import ServerMetrics
+from eeserve.server.prepare import ApiError, ModelInfo, describe_validation_errors, error_body
 from eeserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -39,12 +40,11 @@ from eeserve.server.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
-from eeserve.server.serving import ApiError, ServingContext, error_body, generate
+from eeserve.server.serving import ServingContext, generate
 
 log = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 503)
 }
@@ -60,15 +60,13 @@ def create_app(
     metrics = ServerMetrics(num_layers)
     engine_loop = EngineLoop(engine, metrics)
     tokenizer = copy.deepcopy(engine.tokenizer)
-    ctx = ServingContext(
-        engine_loop=engine_loop,
+    info = ModelInfo(
         tokenizer=tokenizer,
-        strings=TokenStrings(tokenizer),
-        metrics=metrics,
         model_names=list(model_names or [str(engine.config.model)]),
         max_model_len=engine.max_model_len,
         num_layers=num_layers,
     )
+    ctx = ServingContext(engine_loop, info, TokenStrings(tokenizer), metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -121,10 +119,10 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
                 "object": "model",
                 "created": 0,
                 "owned_by": "eeserve",
-                "max_model_len": ctx.max_model_len,
-                "num_layers": ctx.num_layers,
+                "max_model_len": ctx.info.max_model_len,
+                "num_layers": ctx.info.num_layers,
             }
-            for name in ctx.model_names
+            for name in ctx.info.model_names
         ]
         return {"object": "list", "data": data}
 
@@ -175,37 +173,6 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(Exception, on_other)
-
-
-def describe_validation_errors(errors: list[Any]) -> tuple[str, str | None, str]:
-    """Pydantic errors -> (message, param, code) for the first offending field."""
-    if not errors:
-        return "invalid request", None, "invalid_request"
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"malformed JSON body: {first.get('ctx', {}).get('error', '')}", None, "json_invalid"
-    param = _param(tuple(first.get("loc", ())))
-    if param is None:
-        return f"request body: {first.get('msg', 'invalid')}", None, str(first.get("type"))
-    same = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
-    msgs = list(dict.fromkeys(str(e.get("msg", "")) for e in same))
-    if len(msgs) > 1:
-        message = f"{param}: invalid value (" + "; or ".join(msgs[:4]) + ")"
-    else:
-        message = f"{param}: {msgs[0]}"
-    return message, param, str(first.get("type"))
-
-
-def _param(loc: tuple[Any, ...]) -> str | None:
-    parts: list[str] = []
-    for x in loc[1:] if loc[:1] == ("body",) else loc:
-        if isinstance(x, int):
-            parts.append(str(x))
-        elif isinstance(x, str) and x.isidentifier() and x not in _TYPE_TAGS:
-            parts.append(x)
-        else:
-            break
-    return ".".join(parts) or None
 
 
 class BearerAuth:
