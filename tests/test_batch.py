@@ -8,6 +8,8 @@ encoded (server, ``LLM.generate``/``chat`` and batch alike), and a fuzzer of the
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -263,3 +265,16 @@ def test_fuzz_batch_lines_never_crash(tiny_model_dir: Path, tmp_path: Path) -> N
                 assert 400 <= status < 500, o
 
     check()
+
+
+def test_ray_options_without_ray_name_the_extra(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if the `ray` extra were not installed
+    assert main(["serve", str(tiny_model_dir), "--replicas", "2"]) == 2
+    assert "pip install 'eeserve[ray]'" in capsys.readouterr().err
+
+
+def test_the_command_line_does_not_import_ray() -> None:
+    code = "import sys, eeserve.cli, eeserve.server; sys.exit('ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

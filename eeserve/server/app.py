@@ -3,7 +3,8 @@
 Contract: ``create_app(engine, ...)`` wraps an ``LLMEngine`` (which it then owns: from startup on
 only the app's engine thread touches it) and returns an ASGI app serving
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text) and the OpenAPI docs at ``/docs``. The engine thread starts in
+``GET /metrics`` (Prometheus text; ``metrics_view`` may render it otherwise, as replicas do to
+show every replica's) and the OpenAPI docs at ``/docs``. The engine thread starts in
 the lifespan startup and stops at shutdown. With ``api_key`` every path except ``/health``
 needs ``Authorization: Bearer <api_key>`` (401 otherwise). Every error, including malformed JSON,
 a missing field, a wrong type and an out-of-range value, is answered with
@@ -17,7 +18,7 @@ import asyncio
 import copy
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -50,11 +51,16 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+# Renders the /metrics page from this instance's metrics (replicas: every replica's page).
+MetricsView = Callable[[ServerMetrics], Awaitable[tuple[bytes, str]]]
+
+
 def create_app(
     engine: LLMEngine,
     *,
     model_names: list[str] | None = None,
     api_key: str | None = None,
+    metrics_view: MetricsView | None = None,
 ) -> FastAPI:
     num_layers = engine.model_config.num_layers
     metrics = ServerMetrics(num_layers)
@@ -88,11 +94,11 @@ def create_app(
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key, exempt=("/health",))
     _install_error_handlers(app, metrics)
-    _add_routes(app, ctx)
+    _add_routes(app, ctx, metrics_view)
     return app
 
 
-def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
+def _add_routes(app: FastAPI, ctx: ServingContext, metrics_view: MetricsView | None) -> None:
     @app.post(
         "/v1/completions",
         responses={200: {"model": CompletionResponse}, **_ERRORS},
@@ -136,7 +142,10 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        content, media_type = ctx.metrics.render()
+        if metrics_view is None:
+            content, media_type = ctx.metrics.render()
+        else:
+            content, media_type = await metrics_view(ctx.metrics)
         return Response(content, media_type=media_type)
 
 

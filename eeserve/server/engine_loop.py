@@ -162,6 +162,11 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def stopped(self) -> bool:
+        """Started once and no longer running (a crash, or ``stop``)."""
+        return self._thread is not None and not self._thread.is_alive()
+
+    @property
     def draining(self) -> bool:
         return self._deadline is not None or self._stopping
 
