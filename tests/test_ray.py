@@ -19,6 +19,7 @@ import pytest
 
 from eeserve.sampling_params import SamplingParams
 from eeserve.server.replicas import ReplicaOptions, launch_replicas, stop_replicas
+from tests.test_batch import read_output, request_line, run_cli, stable, write_batch
 from tests.tiny_model import make_llm
 
 ray = pytest.importorskip("ray")
@@ -58,6 +59,30 @@ def replicas(ray_session: None, tiny_model_dir: Path) -> Iterator[str]:
     deployed = launch_replicas(opts, HOST, port)
     yield f"http://{HOST}:{port}"
     stop_replicas(deployed)
+
+
+# -- batch files over Ray Data (first: the replicas below hold both CPUs once started) --------
+
+
+def test_batch_on_ray_writes_the_single_process_output(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    src = tmp_path / "in.jsonl"
+    bad_body = json.dumps({**request_line(20, "x"), "body": {"model": "x", "prompt": 5}})
+    write_batch(src, str(tiny_model_dir), 50, {7: '{"custom_id": "req-6", "body": ', 21: bad_body})
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    assert run_cli(src, local, tiny_model_dir) == 1
+    assert run_cli(src, on_ray, tiny_model_dir, "--ray", "--replicas", "2") == 1
+    got, want = read_output(on_ray), read_output(local)
+    assert len(got) == 50 and sum(o["error"] is not None for o in got) == 2
+
+    def key(o: dict[str, Any]) -> tuple[str, int]:
+        return (o["custom_id"] or "", (o["error"] or {}).get("line", 0))
+
+    assert [stable(o) for o in sorted(got, key=key)] == [stable(o) for o in sorted(want, key=key)]
+
+
+# -- replicas behind one endpoint (Ray Serve) -----------------------------------------------------
 
 
 def _client(base: str, **kw: Any) -> httpx.AsyncClient:

@@ -5,12 +5,14 @@ input (``batch.read_envelopes``), resumes from an existing output (finished ``cu
 skipped, failed lines retried), runs the rest in this process through one engine with every
 request batched (``BatchProcessor``), appends one line per request to the output with a tqdm
 progress bar (lines and generated tokens/s), and returns 0 when every line succeeded, 1 when any
-failed. A missing input file is a ``ValueError`` (exit status 2 from the command line).
+failed. ``--ray`` runs the same processing sharded over a Ray cluster (``batch_ray.run_on_ray``)
+and writes the same lines. A missing input file is a ``ValueError`` (exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ from tqdm import tqdm
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.engine_args import add_engine_args, engine_config
 from eeserve.server.batch import OutputWriter, count_lines, read_envelopes, resume_output
+from eeserve.server.batch_ray import RayBatchOptions, run_on_ray
 from eeserve.server.batch_run import BatchProcessor
 
 DESCRIPTION = (
@@ -46,6 +49,17 @@ def add_batch_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="name(s) the bodies' `model` may use (default: the --model value); repeatable",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r = p.add_argument_group("Ray (needs the `ray` extra)")
+    r.add_argument(
+        "--ray", action="store_true", help="shard the file over a Ray cluster (Ray Data)"
+    )
+    r.add_argument(
+        "--ray-address", default=None, help="Ray cluster to run on (default: start one here)"
+    )
+    r.add_argument("--replicas", type=int, default=2, help="engine actors (with --ray)")
+    r.add_argument(
+        "--threads-per-replica", type=int, default=1, help="CPUs (torch threads) per actor"
+    )
     add_engine_args(p.add_argument_group("engine options"))
     p.set_defaults(func=run_batch)
     return p
@@ -76,14 +90,27 @@ def run_batch(args: argparse.Namespace) -> int:
     source, output = Path(args.input), Path(args.output)
     if not source.is_file():
         raise ValueError(f"batch input {source} is not a file")
+    if not args.ray and args.ray_address is not None:
+        raise ValueError("--ray-address needs --ray")
+    if args.replicas < 1 or args.threads_per_replica < 1:
+        raise ValueError("--replicas and --threads-per-replica must be >= 1")
     done = resume_output(output)
     items = read_envelopes(source, done)
     names = args.served_model_name or [args.model]
     writer = OutputWriter(output)
     progress = Progress(writer, count_lines(source), len(done), not args.no_progress)
     try:
-        engine = LLMEngine(engine_config(args))
-        BatchProcessor(engine, names).run(items, progress)
+        if args.ray:
+            opts = RayBatchOptions(
+                engine=dataclasses.asdict(engine_config(args)),
+                model_names=names,
+                replicas=args.replicas,
+                threads=args.threads_per_replica,
+                address=args.ray_address,
+            )
+            run_on_ray(opts, items, progress)
+        else:
+            BatchProcessor(LLMEngine(engine_config(args)), names).run(items, progress)
     finally:
         progress.close()
         writer.close()

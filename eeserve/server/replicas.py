@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import logging
 import os
 import signal
@@ -46,16 +47,17 @@ NAMESPACE = "eeserve"
 _PUSH_INTERVAL_S = 1.0
 
 
-def import_ray() -> tuple[Any, Any]:
-    """``(ray, ray.serve)``, or a ``ValueError`` that says how to install them."""
+def import_ray(*subpackages: str) -> Any:
+    """``ray`` with ``ray.<subpackage>`` loaded, or a ``ValueError`` that says how to install it."""
     try:
-        import ray
-        from ray import serve
+        ray = importlib.import_module("ray")
+        for name in subpackages:
+            importlib.import_module(f"ray.{name}")
     except ImportError as e:
         raise ValueError(
             f"Ray options need the `ray` extra ({e}): pip install 'eeserve[ray]'"
         ) from None
-    return ray, serve
+    return ray
 
 
 @dataclass
@@ -72,10 +74,10 @@ class EngineReplica:
     """One replica: its own process, torch threads, engine, and the single-process app."""
 
     def __init__(self, opts: ReplicaOptions) -> None:
-        ray, serve = import_ray()
+        ray = import_ray("serve")
         torch.set_num_threads(opts.threads)
         engine = LLMEngine(EngineConfig(**opts.engine))
-        self._replica = serve.get_replica_context().replica_id.unique_id
+        self._replica = ray.serve.get_replica_context().replica_id.unique_id
         self._hub = ray.get_actor(HUB_NAME, namespace=NAMESPACE)
         self._asgi = create_app(
             engine,
@@ -123,7 +125,8 @@ class Deployed:
 
 def launch_replicas(opts: ReplicaOptions, host: str, port: int) -> Deployed:
     """Deploy on the connected Ray cluster and wait until every replica is healthy."""
-    ray, serve = import_ray()
+    ray = import_ray("serve")
+    serve = ray.serve
     need = opts.replicas * opts.threads
     have = ray.cluster_resources().get("CPU", 0)
     if have < need:
@@ -154,13 +157,13 @@ def launch_replicas(opts: ReplicaOptions, host: str, port: int) -> Deployed:
 
 def stop_replicas(deployed: Deployed) -> None:
     """Delete the app (in-flight requests get the graceful timeout), then the metrics hub."""
-    ray, serve = import_ray()
-    serve.delete(APP_NAME)
+    ray = import_ray("serve")
+    ray.serve.delete(APP_NAME)
     ray.kill(deployed.hub)
 
 
 def run_replicas(args: argparse.Namespace) -> int:
-    ray, serve = import_ray()
+    ray = import_ray("serve")
     opts = ReplicaOptions(
         engine=dataclasses.asdict(engine_config(args)),
         model_names=args.served_model_name or [args.model],
@@ -184,7 +187,7 @@ def run_replicas(args: argparse.Namespace) -> int:
         log.info("shutting down: in-flight requests get %.0f s", opts.shutdown_timeout)
         stop_replicas(deployed)
         if local:
-            serve.shutdown()
+            ray.serve.shutdown()
     finally:
         ray.shutdown()
     return 0
