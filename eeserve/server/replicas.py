@@ -103,11 +103,11 @@ class EngineReplica:
 
     def _push_loop(self) -> None:
         while True:
-            time.sleep(_PUSH_INTERVAL_S)
             try:
                 self._push()
             except Exception:  # the hub may be gone while the app shuts down
                 log.debug("metrics push failed", exc_info=True)
+            time.sleep(_PUSH_INTERVAL_S)
 
     async def _metrics_view(self, metrics: ServerMetrics) -> tuple[bytes, str]:
         await self._push()  # this replica's page is current; the others are at most 1 s old
