@@ -67,9 +67,12 @@ def parse_line(number: int, raw: bytes, first_line: dict[str, int]) -> Envelope 
     if not isinstance(obj, dict):
         return failure_line(number, None, "invalid_line", "a line must be a JSON object", None)
     custom_id = obj.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id or not _encodable(custom_id):
+    if not isinstance(custom_id, str) or not custom_id:
         why = "custom_id must be a non-empty string"
         return failure_line(number, None, "invalid_line", why, "custom_id")
+    if not _encodable(custom_id):
+        why = "custom_id is not valid Unicode text (a lone surrogate)"
+        return failure_line(number, None, "invalid_unicode", why, "custom_id")
     if custom_id in first_line:
         why = f"custom_id {custom_id!r} already used on line {first_line[custom_id]}"
         return failure_line(number, custom_id, "duplicate_custom_id", why, "custom_id")
