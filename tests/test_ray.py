@@ -165,7 +165,8 @@ def test_two_replicas_answer_like_one_engine(replicas: str, tiny_model_dir: Path
 def test_killed_replica_fails_its_requests_then_recovers(replicas: str) -> None:
     pids = _replica_pids(replicas)
     victim, victim_pid = sorted(pids.items())[0]
-    body = _completion("x", 400, ignore_eos=True)
+    # Long enough (4 x 500 tokens a request) to be still running when the metrics page shows it.
+    body = _completion("x", 500, ignore_eos=True, n=4)
 
     async def run() -> list[int | str]:
         async with _client(replicas) as c:
