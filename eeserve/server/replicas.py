@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 APP_NAME = "eeserve"
 HUB_NAME = "eeserve-metrics"
 NAMESPACE = "eeserve"
+# Ray runs its workers at niceness 15 by default: replicas and batch actors would then get no CPU
+# while anything else runs. A cluster started here runs them at normal priority, like the
+# single-process server (for an existing cluster: `RAY_worker_niceness=0 ray start ...`).
+LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0}
 _PUSH_INTERVAL_S = 1.0
 
 
@@ -173,7 +177,12 @@ def run_replicas(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
     )
     local = args.ray_address is None
-    ray.init(address=args.ray_address, namespace=NAMESPACE, include_dashboard=False)
+    ray.init(
+        address=args.ray_address,
+        namespace=NAMESPACE,
+        include_dashboard=False,
+        _system_config=LOCAL_SYSTEM_CONFIG if local else None,
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
