@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# CPU build of torch, from the local wheel cache where there is one (no multi-GB CUDA build).
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,ray]'
 	touch $(STAMP)
 
 fetch: $(STAMP)

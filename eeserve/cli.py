@@ -1,4 +1,4 @@
-"""Command line: ``eeserve fetch | generate | bench | serve``.
+"""Command line: ``eeserve fetch | generate | bench | serve | batch``.
 
 Contract: argument parsing and printing only; all work is done by the engine, the loader, the
 benchmark, tuning and server packages, whose subcommands are registered here.
@@ -19,7 +19,7 @@ from eeserve.exit_params import ExitParams
 from eeserve.llm import chat_token_ids
 from eeserve.models.loader import fetch_default_model
 from eeserve.sampling_params import SamplingParams
-from eeserve.server import add_serve_parser
+from eeserve.server import add_batch_parser, add_serve_parser
 from eeserve.tuning.calibrate_cmd import add_calibrate_parser
 from eeserve.tuning.cli import add_tune_parser
 
@@ -67,6 +67,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_tune_parser(sub)
     add_calibrate_parser(sub)
     add_serve_parser(sub)
+    add_batch_parser(sub)
     return parser
 
 

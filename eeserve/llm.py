@@ -16,7 +16,7 @@ from eeserve.config import EngineConfig
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.exit_params import ExitParams
 from eeserve.outputs import RequestOutput
-from eeserve.sampling_params import SamplingParams
+from eeserve.sampling_params import SamplingParams, check_text
 
 Prompt = str | list[int]
 
@@ -86,6 +86,10 @@ class LLM:
 
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of ``messages`` rendered with the tokenizer's chat template, ready to answer."""
+    for i, m in enumerate(messages):
+        for key, value in m.items():
+            if isinstance(value, str):
+                check_text(value, f"messages[{i}].{key}")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
         ids = ids["input_ids"]

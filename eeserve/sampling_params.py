@@ -1,4 +1,8 @@
-"""Per-request sampling parameters, validated on construction (``ValueError`` names the field)."""
+"""Per-request sampling parameters, validated on construction (``ValueError`` names the field).
+
+Also ``check_text(text, field)``: the one check that a request's text can be encoded at all (a
+lone UTF-16 surrogate cannot), used on prompts, chat messages and stop strings.
+"""
 
 from __future__ import annotations
 
@@ -70,6 +74,8 @@ class SamplingParams:
             "a list of non-empty strings",
             self.stop,
         )
+        for i, s in enumerate(self.stop):
+            check_text(s, f"SamplingParams.stop[{i}]")
         _check(
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
@@ -101,3 +107,14 @@ def _is_num(x: object) -> bool:
 def _check(ok: bool, name: str, expected: str, value: object) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")
+
+
+def check_text(text: str, field: str) -> None:
+    """``ValueError`` naming ``field`` when ``text`` holds a lone surrogate (not encodable)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{field} is not valid Unicode text: a lone surrogate U+{ord(text[e.start]):04X} "
+            f"at position {e.start}"
+        ) from None

@@ -275,8 +275,8 @@ def test_engine_exits_with_the_calibrated_threshold(calibrated: Path) -> None:
 
 def test_server_passes_tolerance_through(calibrated: Path) -> None:
     pytest.importorskip("fastapi")
+    from eeserve.server.prepare import to_exit_params
     from eeserve.server.protocol import EarlyExitOptions
-    from eeserve.server.serving import to_exit_params
 
     cfg = load_sidecar(calibrated)
     assert cfg is not None

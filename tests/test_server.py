@@ -315,6 +315,27 @@ BAD = [
     ("completions", {"model": 5}, "model"),
     ("completions", {"early_exit": {"mode": "draft"}}, "early_exit.mode"),
     ("completions", {"early_exit": {"num_draft_tokens": 0}}, "early_exit.num_draft_tokens"),
+    # Text a tokenizer cannot encode (a lone UTF-16 surrogate): was a 500 / the tokenizer's error.
+    ("completions", {"prompt": "ab\ud800"}, "prompt"),
+    ("completions", {"prompt": ["ok", "\udfff"]}, "prompt"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "\ud800"}]},
+        "messages.0.content",
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+        "messages.0.content",
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "x", "name": "\ud800"}]},
+        "messages.0.name",
+    ),
+    ("completions", {"stop": ["\ud800"]}, "stop"),
+    ("completions", {"model": "\ud800"}, "model"),
+    ("completions", {"user": "\udc00"}, "user"),
 ]
 
 
@@ -325,7 +346,9 @@ def test_bad_input_is_400_naming_the_field(
     body = {**(_CHAT if endpoint.startswith("chat") else _BASE), "model": server.model}
     body.update(change)
     body = {k: v for k, v in body.items() if v is not None}
-    r = http.post(f"/v1/{endpoint}", json=body)
+    # json.dumps escapes a lone surrogate as JSON allows ("\\ud800"); httpx's json= cannot send it.
+    headers = {"Content-Type": "application/json"}
+    r = http.post(f"/v1/{endpoint}", content=json.dumps(body), headers=headers)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}

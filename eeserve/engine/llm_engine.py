@@ -25,7 +25,7 @@ from eeserve.exit_params import ExitParams
 from eeserve.models.exit_heads import load_exit_setup
 from eeserve.models.loader import load_model, resolve_model, sidecar_folders
 from eeserve.outputs import CompletionOutput, ExitStats, RequestOutput
-from eeserve.sampling_params import SamplingParams
+from eeserve.sampling_params import SamplingParams, check_text
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,7 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")
             return list(self.tokenizer(prompt).input_ids)
         if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt token ids must be a non-empty list of ints")

@@ -3,14 +3,15 @@
 Contract: ``create_app(engine, ...)`` wraps an ``LLMEngine`` (which it then owns: from startup on
 only the app's engine thread touches it) and returns an ASGI app serving
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text), ``GET /v1/eeserve/exit_config`` (the model's exit layers,
-measures, default and calibrated thresholds), the OpenAPI docs at ``/docs`` and, unless
-``ui=False``, the playground page at ``/`` (``server.ui``). The engine thread starts in
-the lifespan startup and stops at shutdown. With ``api_key`` every path except ``/health`` and
-the playground's static files needs ``Authorization: Bearer <api_key>`` (401 otherwise).
-Every error, including malformed JSON, a missing field, a wrong type and an out-of-range
-value, is answered with ``{"error": {"message", "type", "param", "code"}}``; validation
-problems are 400s whose ``param`` names the field.
+``GET /metrics`` (Prometheus text; ``metrics_view`` may render it otherwise, as replicas do to
+show every replica's), ``GET /v1/eeserve/exit_config`` (the model's exit layers, measures,
+default and calibrated thresholds), the OpenAPI docs at ``/docs`` and, unless ``ui=False``, the
+playground page at ``/`` (``server.ui``). The engine thread starts in the lifespan startup and
+stops at shutdown. With ``api_key`` every path except ``/health`` and the playground's static
+files needs ``Authorization: Bearer <api_key>`` (401 otherwise). Every error, including
+malformed JSON, a missing field, a wrong type and an out-of-range value, is answered with
+``{"error": {"message", "type", "param", "code"}}``; validation problems are 400s whose
+``param`` names the field.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import asyncio
 import copy
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -34,6 +35,7 @@ from eeserve.engine.llm_engine import LLMEngine
 from eeserve.server.engine_loop import EngineLoop
 from eeserve.server.formatting import TokenStrings, exit_config_summary
 from eeserve.server.metrics import ServerMetrics
+from eeserve.server.prepare import ApiError, ModelInfo, describe_validation_errors, error_body
 from eeserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -41,16 +43,19 @@ from eeserve.server.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
-from eeserve.server.serving import ApiError, ServingContext, error_body, generate
+from eeserve.server.serving import ServingContext, generate
 from eeserve.server.ui import UI_PATHS, UI_PREFIX, add_ui_routes
 
 log = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 503)
 }
+
+
+# Renders the /metrics page from this instance's metrics (replicas: every replica's page).
+MetricsView = Callable[[ServerMetrics], Awaitable[tuple[bytes, str]]]
 
 
 def create_app(
@@ -59,21 +64,20 @@ def create_app(
     model_names: list[str] | None = None,
     api_key: str | None = None,
     ui: bool = True,
+    metrics_view: MetricsView | None = None,
 ) -> FastAPI:
     num_layers = engine.model_config.num_layers
     metrics = ServerMetrics(num_layers)
     engine_loop = EngineLoop(engine, metrics)
     tokenizer = copy.deepcopy(engine.tokenizer)
-    ctx = ServingContext(
-        engine_loop=engine_loop,
+    info = ModelInfo(
         tokenizer=tokenizer,
-        strings=TokenStrings(tokenizer),
-        metrics=metrics,
         model_names=list(model_names or [str(engine.config.model)]),
         max_model_len=engine.max_model_len,
         num_layers=num_layers,
-        exit_config=exit_config_summary(engine.exit_config, engine.config.exit_policy),
     )
+    summary = exit_config_summary(engine.exit_config, engine.config.exit_policy)
+    ctx = ServingContext(engine_loop, info, TokenStrings(tokenizer), metrics, summary)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -97,13 +101,13 @@ def create_app(
         prefixes = (UI_PREFIX,) if ui else ()
         app.add_middleware(BearerAuth, api_key=api_key, exempt=exempt, exempt_prefixes=prefixes)
     _install_error_handlers(app, metrics)
-    _add_routes(app, ctx)
+    _add_routes(app, ctx, metrics_view)
     if ui:
         add_ui_routes(app)
     return app
 
 
-def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
+def _add_routes(app: FastAPI, ctx: ServingContext, metrics_view: MetricsView | None) -> None:
     @app.post(
         "/v1/completions",
         responses={200: {"model": CompletionResponse}, **_ERRORS},
@@ -130,10 +134,10 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
                 "object": "model",
                 "created": 0,
                 "owned_by": "eeserve",
-                "max_model_len": ctx.max_model_len,
-                "num_layers": ctx.num_layers,
+                "max_model_len": ctx.info.max_model_len,
+                "num_layers": ctx.info.num_layers,
             }
-            for name in ctx.model_names
+            for name in ctx.info.model_names
         ]
         return {"object": "list", "data": data}
 
@@ -152,7 +156,10 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        content, media_type = ctx.metrics.render()
+        if metrics_view is None:
+            content, media_type = ctx.metrics.render()
+        else:
+            content, media_type = await metrics_view(ctx.metrics)
         return Response(content, media_type=media_type)
 
 
@@ -189,37 +196,6 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(Exception, on_other)
-
-
-def describe_validation_errors(errors: list[Any]) -> tuple[str, str | None, str]:
-    """Pydantic errors -> (message, param, code) for the first offending field."""
-    if not errors:
-        return "invalid request", None, "invalid_request"
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"malformed JSON body: {first.get('ctx', {}).get('error', '')}", None, "json_invalid"
-    param = _param(tuple(first.get("loc", ())))
-    if param is None:
-        return f"request body: {first.get('msg', 'invalid')}", None, str(first.get("type"))
-    same = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
-    msgs = list(dict.fromkeys(str(e.get("msg", "")) for e in same))
-    if len(msgs) > 1:
-        message = f"{param}: invalid value (" + "; or ".join(msgs[:4]) + ")"
-    else:
-        message = f"{param}: {msgs[0]}"
-    return message, param, str(first.get("type"))
-
-
-def _param(loc: tuple[Any, ...]) -> str | None:
-    parts: list[str] = []
-    for x in loc[1:] if loc[:1] == ("body",) else loc:
-        if isinstance(x, int):
-            parts.append(str(x))
-        elif isinstance(x, str) and x.isidentifier() and x not in _TYPE_TAGS:
-            parts.append(x)
-        else:
-            break
-    return ".".join(parts) or None
 
 
 class BearerAuth:

@@ -5,6 +5,8 @@ Contract:
   loop that will consume its outputs. From then on every engine call (``add_request``,
   ``abort_request``, ``tokenize``, ``step``) happens on the loop's single worker thread; other
   threads only post commands to it (a deque plus a wake-up event), so no lock is needed.
+- ``admit(engine, request_ids, choices, exit_params)`` (what ``add`` runs on the worker thread,
+  and what batch files run on an engine of their own) adds a group of requests atomically.
 - ``await add(choices, exit_params)`` queues a group of engine requests atomically: if the engine
   refuses any (``ValueError``, e.g. a prompt longer than the context), the ones already added are
   aborted and the error is raised to the caller; exit parameters that cannot be resolved against
@@ -162,6 +164,11 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def stopped(self) -> bool:
+        """Started once and no longer running (a crash, or ``stop``)."""
+        return self._thread is not None and not self._thread.is_alive()
+
+    @property
     def draining(self) -> bool:
         return self._deadline is not None or self._stopping
 
@@ -270,40 +277,11 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(_put_all, batch)
 
     def _add(self, gen: Generation, choices: list[ChoiceSpec], ep: ExitParams | None) -> None:
-        self._check_exit_params(ep)
-        added: list[str] = []
-        try:
-            for rid, spec in zip(gen.request_ids, choices):
-                ids = spec.prompt_token_ids
-                if spec.prompt is None:
-                    ids = self.engine.tokenize(ids)  # validates the token ids
-                self.engine.add_request(
-                    spec.prompt if spec.prompt is not None else ids,
-                    spec.params,
-                    request_id=rid,
-                    prompt_token_ids=ids,
-                    exit_params=ep,
-                )
-                added.append(rid)
-                gen.prompt_token_ids.append(ids)
-        except BaseException:
-            for rid in added:
-                self.engine.abort_request(rid)
-            raise
+        gen.prompt_token_ids = admit(self.engine, gen.request_ids, choices, ep)
         now = time.monotonic()
-        for i, rid in enumerate(added):
+        for i, rid in enumerate(gen.request_ids):
             self._tracked[rid] = _Tracked(gen, i, arrival=now, last=now)
             self.metrics.prompt_tokens.inc(len(gen.prompt_token_ids[i]))
-
-    def _check_exit_params(self, ep: ExitParams | None) -> None:
-        """Resolve the exit plan up front, so that its errors are told apart from the prompt's."""
-        cfg = getattr(self.engine, "exit_config", None)
-        if ep is None or cfg is None or self.engine.config.exit_policy == "none":
-            return
-        try:
-            resolve_exit_plan(ep, cfg, self.engine.config.exit_policy)
-        except ValueError as e:
-            raise RequestRejected(str(e), "early_exit") from e
 
     def _abort(self, request_ids: list[str], why: str) -> None:
         for rid in request_ids:
@@ -360,6 +338,46 @@ class EngineLoop:
         m.waiting.set(len(sched.waiting))
         m.kv_blocks_free.set(bm.num_free_blocks)
         m.kv_blocks_used.set(bm.num_blocks - bm.num_free_blocks)
+
+
+def admit(
+    engine: LLMEngine, request_ids: list[str], choices: list[ChoiceSpec], ep: ExitParams | None
+) -> list[list[int]]:
+    """Add a group of engine requests, all or none (the engine's ``ValueError`` is raised after
+    aborting those already added); returns each one's prompt token ids."""
+    _check_exit_params(engine, ep)
+    added: list[str] = []
+    prompts: list[list[int]] = []
+    try:
+        for rid, spec in zip(request_ids, choices):
+            ids = spec.prompt_token_ids
+            if spec.prompt is None:
+                ids = engine.tokenize(ids)  # validates the token ids
+            engine.add_request(
+                spec.prompt if spec.prompt is not None else ids,
+                spec.params,
+                request_id=rid,
+                prompt_token_ids=ids,
+                exit_params=ep,
+            )
+            added.append(rid)
+            prompts.append(ids)
+    except BaseException:
+        for rid in added:
+            engine.abort_request(rid)
+        raise
+    return prompts
+
+
+def _check_exit_params(engine: LLMEngine, ep: ExitParams | None) -> None:
+    """Resolve the exit plan up front, so that its errors are told apart from the prompt's."""
+    cfg = getattr(engine, "exit_config", None)
+    if ep is None or cfg is None or engine.config.exit_policy == "none":
+        return
+    try:
+        resolve_exit_plan(ep, cfg, engine.config.exit_policy)
+    except ValueError as e:
+        raise RequestRejected(str(e), "early_exit") from e
 
 
 def _put_all(batch: _Batch) -> None:

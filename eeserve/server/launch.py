@@ -5,7 +5,8 @@ is ``run_serve``); ``run_serve(args)`` loads the engine, serves until SIGINT or 
 returns 0. On the first signal the listener closes, new requests on open connections get 503,
 in-flight requests run to completion for up to ``--shutdown-timeout`` seconds and are then
 aborted with an error (a JSON error body, or an ``error`` event before ``[DONE]`` in a
-stream); a second SIGINT forces the exit. ``main(argv)`` is ``python -m eeserve.server``.
+stream); a second SIGINT forces the exit. With ``--replicas N`` the same app runs as N Ray Serve
+replicas instead (``replicas.run_replicas``). ``main(argv)`` is ``python -m eeserve.server``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import uvicorn
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.engine_args import add_engine_args, engine_config
 from eeserve.server.app import create_app
+from eeserve.server.replicas import run_replicas
 
 DESCRIPTION = (
     "Serve MODEL over an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions "
@@ -71,6 +73,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    r = p.add_argument_group("replicas (Ray Serve; needs the `ray` extra)")
+    r.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="serve N engine replicas, each its own process, behind this one endpoint",
+    )
+    r.add_argument(
+        "--ray-address", default=None, help="Ray cluster to run on (default: start one here)"
+    )
+    r.add_argument(
+        "--threads-per-replica", type=int, default=1, help="CPUs (torch threads) per replica"
+    )
     add_engine_args(p.add_argument_group("engine options"))
 
 
@@ -78,6 +93,12 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", force=True
     )
+    if args.replicas is not None:
+        if args.replicas < 1 or args.threads_per_replica < 1:
+            raise ValueError("--replicas and --threads-per-replica must be >= 1")
+        return run_replicas(args)
+    if args.ray_address is not None:
+        raise ValueError("--ray-address needs --replicas")
     engine = LLMEngine(engine_config(args))
     app = create_app(
         engine,

@@ -3,15 +3,34 @@
 Contract: request models are strict (no coercion: ``"1"`` is not a number, ``1.0`` is not an
 integer, ``1`` is not a boolean), reject NaN/inf, ignore unknown fields, and carry the
 range limits of ``SamplingParams`` so that a bad value is reported against its field name before
-anything reaches the engine. ``early_exit`` is this server's extension, mapped to ``ExitParams``.
+anything reaches the engine. Every string must be encodable Unicode (no lone surrogates).
+``early_exit`` is this server's extension, mapped to ``ExitParams``.
 Response models document the JSON the handlers build (they are not used to validate it).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+
+def _encodable(text: str) -> str:
+    """JSON can carry a lone UTF-16 surrogate (``"\\ud800"``) that no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError(
+            "invalid_unicode",
+            "text is not valid Unicode: a lone surrogate {char} at position {pos}",
+            {"char": f"U+{ord(text[e.start]):04X}", "pos": e.start},
+        ) from None
+    return text
+
+
+# Every string of a request: checked before it reaches a tokenizer, a template or a response.
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class _Strict(BaseModel):
@@ -62,17 +81,17 @@ class StreamOptions(_Strict):
 
 
 class _GenerationRequest(_Strict):
-    model: str
+    model: Text
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, description="0 = greedy; default 1")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k")
     seed: int | None = Field(None, ge=-(2**63), lt=2**63, description="choice i of n uses seed + i")
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     ignore_eos: bool = False
     early_exit: EarlyExitOptions | None = None
 
@@ -86,7 +105,7 @@ class _GenerationRequest(_Strict):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(
         description="text, list of texts, token ids, or list of token-id lists"
     )
     logprobs: int | None = Field(None, ge=0, le=20, description="top log-probabilities per token")
@@ -103,13 +122,13 @@ class CompletionRequest(_GenerationRequest):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -163,7 +182,7 @@ class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
-    model: str
+    model: Text
     choices: list[CompletionChoice]
     usage: Usage
     early_exit: EarlyExitStats
@@ -201,7 +220,7 @@ class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
-    model: str
+    model: Text
     choices: list[ChatChoice]
     usage: Usage
     early_exit: EarlyExitStats

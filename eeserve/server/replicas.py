@@ -1,0 +1,202 @@
+"""``eeserve serve MODEL --replicas N``: N engine replicas behind one OpenAI endpoint, on Ray Serve.
+
+Contract: ``run_replicas(args)`` connects to the Ray cluster at ``--ray-address`` (or starts one
+on this machine), deploys ``EngineReplica`` as a Ray Serve deployment of ``--replicas`` replicas,
+each its own process with ``--threads-per-replica`` CPUs (torch threads), its own engine and the
+single-process server's app (``create_app``: the same routes, validation, auth, streaming and
+early-exit fields), serves it on ``--host:--port`` through Ray Serve's proxy, which routes each
+request to a replica, and blocks until SIGINT/SIGTERM. Ray Serve health-checks replicas (an
+engine thread that stopped fails the check) and restarts any that die; requests in flight on a
+dead replica end with a 5xx. ``/metrics`` shows every live replica's metrics, labelled
+``replica``, plus ``eeserve_replica_info{replica, pid}``. On a signal the app is deleted, which
+lets in-flight requests finish for up to ``--shutdown-timeout`` seconds, and a cluster started
+here is shut down. ``launch_replicas`` deploys on an already connected Ray (tests, scripts).
+Ray is imported only here, lazily: without ``--replicas`` nothing imports it; without the
+``ray`` extra a Ray option is a ``ValueError`` naming the extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp
+
+from eeserve.config import EngineConfig
+from eeserve.engine.llm_engine import LLMEngine
+from eeserve.engine_args import engine_config
+from eeserve.server.app import create_app
+from eeserve.server.metrics import ServerMetrics
+from eeserve.server.replica_metrics import MetricsHub, merge_pages
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "eeserve"
+HUB_NAME = "eeserve-metrics"
+NAMESPACE = "eeserve"
+# Ray runs its workers at niceness 15 by default: replicas and batch actors would then get no CPU
+# while anything else runs. A cluster started here runs them at normal priority, like the
+# single-process server (for an existing cluster: `RAY_worker_niceness=0 ray start ...`).
+LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0}
+_PUSH_INTERVAL_S = 1.0
+
+
+def import_ray(*subpackages: str) -> Any:
+    """``ray`` with ``ray.<subpackage>`` loaded, or a ``ValueError`` that says how to install it."""
+    try:
+        ray = importlib.import_module("ray")
+        for name in subpackages:
+            importlib.import_module(f"ray.{name}")
+    except ImportError as e:
+        raise ValueError(
+            f"Ray options need the `ray` extra ({e}): pip install 'eeserve[ray]'"
+        ) from None
+    return ray
+
+
+@dataclass
+class ReplicaOptions:
+    engine: dict[str, Any]  # EngineConfig fields (plain data: it travels to every replica)
+    model_names: list[str]
+    api_key: str | None = None
+    replicas: int = 2
+    threads: int = 1
+    shutdown_timeout: float = 30.0
+
+
+class EngineReplica:
+    """One replica: its own process, torch threads, engine, and the single-process app."""
+
+    def __init__(self, opts: ReplicaOptions) -> None:
+        ray = import_ray("serve")
+        torch.set_num_threads(opts.threads)
+        engine = LLMEngine(EngineConfig(**opts.engine))
+        self._replica = ray.serve.get_replica_context().replica_id.unique_id
+        self._hub = ray.get_actor(HUB_NAME, namespace=NAMESPACE)
+        self._asgi = create_app(
+            engine,
+            model_names=opts.model_names,
+            api_key=opts.api_key,
+            metrics_view=self._metrics_view,
+        )
+        self._metrics: ServerMetrics = self._asgi.state.ctx.metrics
+        # Daemon: it ends with the replica's process.
+        threading.Thread(target=self._push_loop, name="eeserve-metrics", daemon=True).start()
+
+    def __serve_build_asgi_app__(self) -> ASGIApp:
+        return self._asgi
+
+    def check_health(self) -> None:
+        """Ray Serve's periodic check: a replica whose engine thread stopped is replaced."""
+        if self._asgi.state.engine_loop.stopped:
+            raise RuntimeError("the engine thread has stopped")
+
+    def _push(self) -> Any:
+        text = self._metrics.render()[0].decode()
+        return self._hub.put.remote(self._replica, os.getpid(), text)
+
+    def _push_loop(self) -> None:
+        while True:
+            try:
+                self._push()
+            except Exception:  # the hub may be gone while the app shuts down
+                log.debug("metrics push failed", exc_info=True)
+            time.sleep(_PUSH_INTERVAL_S)
+
+    async def _metrics_view(self, metrics: ServerMetrics) -> tuple[bytes, str]:
+        await self._push()  # this replica's page is current; the others are at most 1 s old
+        pages = await self._hub.pages.remote()
+        return merge_pages(pages), CONTENT_TYPE_LATEST
+
+
+@dataclass
+class Deployed:
+    """Handles of a running deployment (the hub lives as long as this handle)."""
+
+    app: Any
+    hub: Any
+
+
+def launch_replicas(opts: ReplicaOptions, host: str, port: int) -> Deployed:
+    """Deploy on the connected Ray cluster and wait until every replica is healthy."""
+    ray = import_ray("serve")
+    serve = ray.serve
+    need = opts.replicas * opts.threads
+    have = ray.cluster_resources().get("CPU", 0)
+    if have < need:
+        raise ValueError(
+            f"{opts.replicas} replicas x {opts.threads} threads need {need} CPUs; "
+            f"the Ray cluster has {have:g}"
+        )
+    hub = (
+        ray.remote(num_cpus=0)(MetricsHub)
+        .options(name=HUB_NAME, namespace=NAMESPACE, get_if_exists=True)
+        .remote()
+    )
+    ray.get(hub.pages.remote())  # registered under its name before any replica looks it up
+    serve.start(http_options={"host": host, "port": port})
+    deployment = serve.deployment(serve.ingress()(EngineReplica)).options(
+        name="EngineReplica",
+        num_replicas=opts.replicas,
+        ray_actor_options={"num_cpus": opts.threads},
+        max_ongoing_requests=4 * int(opts.engine.get("max_num_seqs", 64)),
+        health_check_period_s=2,
+        health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=opts.shutdown_timeout,
+        graceful_shutdown_wait_loop_s=0.5,
+    )
+    app = serve.run(deployment.bind(opts), name=APP_NAME, route_prefix="/", blocking=False)
+    return Deployed(app, hub)
+
+
+def stop_replicas(deployed: Deployed) -> None:
+    """Delete the app (in-flight requests get the graceful timeout), then the metrics hub."""
+    ray = import_ray("serve")
+    ray.serve.delete(APP_NAME)
+    ray.kill(deployed.hub)
+
+
+def run_replicas(args: argparse.Namespace) -> int:
+    ray = import_ray("serve")
+    opts = ReplicaOptions(
+        engine=dataclasses.asdict(engine_config(args)),
+        model_names=args.served_model_name or [args.model],
+        api_key=args.api_key,
+        replicas=args.replicas,
+        threads=args.threads_per_replica,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    local = args.ray_address is None
+    ray.init(
+        address=args.ray_address,
+        namespace=NAMESPACE,
+        include_dashboard=False,
+        _system_config=LOCAL_SYSTEM_CONFIG if local else None,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        deployed = launch_replicas(opts, args.host, args.port)
+        log.info(
+            "serving %s on http://%s:%d with %d replicas x %d threads",
+            opts.model_names[0], args.host, args.port, opts.replicas, opts.threads,
+        )  # fmt: skip
+        stop.wait()
+        log.info("shutting down: in-flight requests get %.0f s", opts.shutdown_timeout)
+        stop_replicas(deployed)
+        if local:
+            ray.serve.shutdown()
+    finally:
+        ray.shutdown()
+    return 0
