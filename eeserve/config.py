@@ -34,7 +34,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     # Positions one forward pass computes at most. With chunked prefill, decode rows go first and
     # prompts fill the rest in chunks; without it, a whole prompt always fits in one pass.
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 256
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

@@ -25,7 +25,7 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=512,
+        default=256,
         help="positions per forward pass (prompts longer than this are prefilled in chunks)",
     )
     p.add_argument(

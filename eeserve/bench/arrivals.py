@@ -37,10 +37,15 @@ def add_arrival_args(p: argparse.ArgumentParser) -> None:
 
 
 def long_prompt_texts(n: int, chars: int, seed: int) -> list[str]:
-    """``n`` distinct texts of about ``chars`` characters (passages joined), no shared prefix."""
-    per = max(1, chars // 1000 + 1)
-    texts = prompt_texts(n * per, seed + 1, "bench", max_chars=1200)
-    return [" ".join(texts[i * per : (i + 1) * per])[:chars] for i in range(n)]
+    """``n`` distinct texts of ``chars`` characters (passages joined in turn), no shared prefix."""
+    pool = iter(prompt_texts(n * (chars // 200 + 2), seed + 1, "bench", max_chars=1200))
+    out = []
+    for _ in range(n):
+        parts: list[str] = []
+        while sum(len(x) + 1 for x in parts) < chars:
+            parts.append(next(pool))
+        out.append(" ".join(parts)[:chars])
+    return out
 
 
 async def arrivals_async(
