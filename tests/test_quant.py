@@ -28,9 +28,10 @@ from tests.tiny_model import hf_greedy, hf_logprobs, load_hf
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 # Max |logprob| gap of a generated token on the tiny varied model: int8 engine vs float32 HF
-# (observed 0.30: random weights of std 0.2 over 4 layers amplify rounding more than a trained
-# model does), and int8 engine vs HF on the dequantised weights (the same arithmetic).
-FLOAT_TOL, DEQUANT_TOL = 0.5, 1e-3
+# (observed 0.19 with groups of 32, 0.30 with one scale per channel: random weights of std 0.2
+# over 4 layers amplify rounding more than a trained model does), and int8 engine vs HF on the
+# dequantised weights (the same arithmetic; observed 5e-6).
+FLOAT_TOL, DEQUANT_TOL = 0.3, 1e-3
 
 
 def _dequantized(w: torch.Tensor) -> torch.Tensor:
