@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from eeserve.bench import llamacpp
+from eeserve.bench.report_peer import peer_section
 from eeserve.cli import main
 from tests.tiny_model import build_tiny_model
 
@@ -27,7 +29,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, An
         "bench", "report", "--model", str(model), "--out", str(out),
         "--batch-sizes", ",".join(map(str, BATCHES)), "--max-tokens", str(MAX_TOKENS),
         "--repeats", "1", "--threshold", "0.05", "--thresholds", "0.05",
-        "--cosine-thresholds", "0.9", "--frontier-batch", "2", "--note", "tiny test",
+        "--cosine-thresholds", "0.9", "--frontier-batch", "2", "--note", "tiny test", "--no-peer",
     ]  # fmt: skip
     assert main(argv) == 0
     return out, json.loads((out / "report.json").read_text())
@@ -173,7 +175,9 @@ def test_speculative_section_is_lossless(report: tuple[Path, dict[str, Any]]) ->
     assert "## Speculative mode" in md and "1.000" in md
 
 
-def test_sections_option(tmp_path: Path) -> None:
+def test_sections_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also: without llama-cpp-python the llama.cpp section says so and how to install it."""
+    monkeypatch.setattr(llamacpp, "available", lambda: False)
     model = build_tiny_model(tmp_path / "model", weight_std=0.2, max_pos=2048)
     out = tmp_path / "out"
     argv = [
@@ -185,4 +189,27 @@ def test_sections_option(tmp_path: Path) -> None:
     assert main(argv) == 0
     r = json.loads((out / "report.json").read_text())
     assert "paper" not in r and [x["num_draft_tokens"] for x in r["speculative"]] == [2, 3]
+    assert r["peer"] == {"skipped": f"llama-cpp-python is not installed; {llamacpp.INSTALL_HINT}"}
+    md = (out / "report.md").read_text()
+    assert "## llama.cpp\n\nSkipped: llama-cpp-python is not installed; pip install" in md
     assert main([*argv[:-4], "--sections", "paper"]) == 2
+
+
+def test_no_peer_leaves_the_llama_cpp_section_out(report: tuple[Path, dict[str, Any]]) -> None:
+    out, r = report
+    assert "peer" not in r and "## llama.cpp" not in (out / "report.md").read_text()
+    assert r["meta"]["canonical_command"].endswith("--no-peer")
+
+
+def test_llama_cpp_rows_render_as_a_table() -> None:
+    row = {
+        "batch": 8,
+        "engine_decode_tok_s": 255.5,
+        "llamacpp_decode_tok_s": 275.9,
+        "engine_vs_llamacpp": 255.5 / 275.9,
+        "token_agreement": 1.0,
+        "rouge_l": 1.0,
+    }
+    md = peer_section({"peer": {"rows": [row]}})
+    assert md.startswith("## llama.cpp\n")
+    assert "| 8 | 255.5 | 275.9 | 0.93× | 1.000 / 1.000 |" in md

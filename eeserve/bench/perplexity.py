@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from eeserve.kernels.quant import quantize_int8
+from eeserve.kernels import quant
 from eeserve.tuning.prompts import prompt_texts
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -24,12 +24,10 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def _dequantize_(model: torch.nn.Module) -> None:
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in _PROJECTIONS:
-            q, scale = quantize_int8(module.weight)
-            module.weight.data = q.float() * scale[:, None]
+            module.weight.data = quant.dequantize_int8(*quant.quantize_int8(module.weight))
     head = model.get_output_embeddings()  # type: ignore[operator]
-    q, scale = quantize_int8(head.weight)
     # Its own parameter: a tied embedding table stays float32, as in the engine.
-    head.weight = torch.nn.Parameter(q.float() * scale[:, None])
+    head.weight = torch.nn.Parameter(quant.dequantize_int8(*quant.quantize_int8(head.weight)))
 
 
 @torch.inference_mode()

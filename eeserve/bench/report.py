@@ -39,6 +39,7 @@ from tqdm import tqdm
 from eeserve.bench.plots import plot_all
 from eeserve.bench.report_config import ReportConfig, canonical_command, config_from_args
 from eeserve.bench.report_md import render
+from eeserve.bench.report_peer import Peer, open_peer, peer_blocks, peer_rows
 from eeserve.bench.report_run import ReportRun, run_blocks
 from eeserve.bench.speculative import speculative_blocks, speculative_rows
 from eeserve.bench.speculative import warm_up as spec_warm_up
@@ -55,15 +56,26 @@ def run_report(cfg: ReportConfig) -> dict[str, Any]:
     spec_blocks = speculative_blocks(run) if "speculative" in cfg.sections else []
     if spec_blocks:
         spec_warm_up(run)
-    t1 = time.perf_counter()
-    blocks = exit_blocks + spec_blocks
-    tokens = cfg.repeats * cfg.max_tokens * sum(b.batch * len(b.jobs) for b in blocks)
-    with tqdm(total=tokens, desc="bench report", unit="tok", file=sys.stderr) as bar:
-        done = run_blocks(blocks, cfg.repeats, 60 * cfg.time_budget_min, bar, cfg.max_tokens)
-    t2 = time.perf_counter()
+    peer = open_peer(run) if cfg.peer else Peer()
+    if peer.skipped:
+        print(f"llama.cpp section skipped: {peer.skipped}", file=sys.stderr)
+    try:
+        t1 = time.perf_counter()
+        more = peer_blocks(run, peer)
+        blocks = exit_blocks + spec_blocks + more
+        tokens = cfg.repeats * cfg.max_tokens * sum(b.batch * len(b.jobs) for b in blocks)
+        with tqdm(total=tokens, desc="bench report", unit="tok", file=sys.stderr) as bar:
+            done = run_blocks(blocks, cfg.repeats, 60 * cfg.time_budget_min, bar, cfg.max_tokens)
+        t2 = time.perf_counter()
+    finally:
+        peer.close()
     results: dict[str, Any] = run.rows(exit_blocks) if exit_blocks else {}
     if spec_blocks:
         results["speculative"] = speculative_rows(run, spec_blocks)
+    if cfg.peer:
+        results["peer"] = {"skipped": peer.skipped} if peer.skipped else {}
+        if more:
+            results["peer"]["rows"] = peer_rows(run, more)
     results["meta"] = run.meta() | {
         "canonical_command": canonical_command(cfg),
         "started": started,
@@ -138,6 +150,9 @@ def add_report_parser(sub: Any) -> None:
     p.add_argument("--measures", default=None, help="frontier measures (default: all available)")
     p.add_argument("--thresholds", default=None, help="sweep of softmax/classifier measures")
     p.add_argument("--cosine-thresholds", default=None, help="sweep of hidden_cosine")
+    p.add_argument(
+        "--no-peer", action="store_true", help="skip the llama.cpp row (llama-cpp-python)"
+    )
     p.add_argument("--frontier-batch", type=int, default=None, help="batch of the frontier (8)")
     p.add_argument(
         "--time-budget",

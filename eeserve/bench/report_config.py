@@ -49,6 +49,7 @@ class ReportConfig:
     frontier_batch: int = 8
     time_budget_min: float = 30.0  # no further repeat starts that would end later; 0: none
     hf: bool = True
+    peer: bool = True  # llama.cpp F32 beside full depth, when llama-cpp-python is installed
     chat: bool = True
     threads: int | None = None
     quick: bool = False
@@ -87,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> ReportConfig:
         frontier_batch=args.frontier_batch or base.frontier_batch,
         time_budget_min=args.time_budget,
         hf=not args.no_hf,
+        peer=not args.no_peer,
         chat=args.prompt_format == "chat",
         threads=args.threads,
         quick=args.quick,
@@ -159,4 +161,5 @@ def canonical_command(cfg: ReportConfig) -> str:
     ):
         if value is not None:
             args += [flag, str(value)]
-    return shlex.join(args + ([] if cfg.hf else ["--no-hf"]))
+    args += [] if cfg.hf else ["--no-hf"]
+    return shlex.join(args + ([] if cfg.peer else ["--no-peer"]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from eeserve.bench.plots import layer_axis
+from eeserve.bench.report_peer import peer_section
 from eeserve.bench.speculative import speculative_section
 
 Row = dict[str, Any]
@@ -222,6 +223,8 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         parts += _exit_sections(results, plot)
     if "speculative" in results:
         parts.append(speculative_section(results))
+    if "peer" in results:
+        parts.append(peer_section(results))
     return "\n\n".join(parts) + "\n"
 
 

@@ -61,11 +61,16 @@ class NativeOps:
         return self.ops.silu_mul(gate_up)  # type: ignore[no-any-return]
 
     def int8_linear(
-        self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_features: int,
     ) -> torch.Tensor:
-        """x [M, K] float32/bfloat16; qweight int8 in ``quant.pack_int8``'s layout; scale [N]
-        float32; bias [N] float32 or None -> [M, N] in x's dtype."""
-        return self.ops.int8_linear(x, qweight, scale, bias)  # type: ignore[no-any-return]
+        """x [M, K] float32/bfloat16; qweight int8 and scale [.., groups, 16] float32 in
+        ``quant.pack_int8``'s layout; bias [N] float32 or None -> [M, N] in x's dtype."""
+        return self.ops.int8_linear(x, qweight, scale, bias, out_features)  # type: ignore[no-any-return]
 
 
 def _cpu_key() -> str:
