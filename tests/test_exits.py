@@ -12,7 +12,7 @@ from eeserve import LLM, SamplingParams
 from eeserve.exit_params import ExitParams
 from eeserve.models.config import rope_tables
 from eeserve.models.llama import apply_rotary
-from tests.tiny_model import assert_cache_matches_hf, step_until_debt
+from tests.tiny_model import assert_cache_matches_hf, run_together, step_until_debt
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -21,14 +21,7 @@ L = 4  # layers of the tiny model
 
 def _gen(llm: LLM, prompts: list[str], exit_params: ExitParams | list[ExitParams] | None = None):
     if isinstance(exit_params, list):
-        engine = llm.engine
-        ids = [engine.add_request(p, GREEDY, exit_params=e) for p, e in zip(prompts, exit_params)]
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0]
-        return [done[i] for i in ids]
+        return run_together(llm, prompts, GREEDY, list(exit_params))
     return [
         o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False, exit_params=exit_params)
     ]

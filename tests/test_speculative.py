@@ -24,6 +24,7 @@ from tests.tiny_model import (
     hf_logprobs,
     kv_block_bytes,
     load_hf,
+    run_together,
 )
 
 L = 4
@@ -40,14 +41,7 @@ def spec(threshold: float, layers: list[int] | None = None, n: int = 4) -> ExitP
 
 def _run(llm: LLM, prompts: list[str], exits: list[ExitParams], params: SamplingParams = GREEDY):
     """Every request added before the first step, so that they share batches."""
-    engine = llm.engine
-    ids = [engine.add_request(p, params, exit_params=e) for p, e in zip(prompts, exits)]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    return [done[i] for i in ids]
+    return run_together(llm, prompts, params, list(exits))
 
 
 def _tokens(llm: LLM, prompts: list[str], exit_params: ExitParams, params=GREEDY):

@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from eeserve import LLM
+from eeserve import LLM, CompletionOutput, ExitParams, SamplingParams
 
 _TEXT = [
     "The quick brown fox jumps over the lazy dog.",
@@ -279,3 +279,18 @@ def tiny_tune_options(folder: Path, cache: Path, exit_layers: list[int], **kw: A
     )
     base.update(kw)
     return TuneOptions(**base)
+
+
+def run_together(
+    llm: LLM, prompts: list[Any], params: SamplingParams, exits: list[ExitParams | None]
+) -> list[CompletionOutput]:
+    """Every request added before the first step (so they share batches), each with its own
+    exit parameters; the final completions in request order."""
+    engine = llm.engine
+    ids = [engine.add_request(p, params, exit_params=e) for p, e in zip(prompts, exits)]
+    done: dict[str, CompletionOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    return [done[i] for i in ids]

@@ -14,14 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from eeserve.bench.serve import RequestResult, one_request, percentiles, server
+from eeserve.bench.serve import RequestResult, one_request, percentiles, report, server
 from eeserve.tuning.prompts import prompt_texts
 
 
@@ -125,12 +123,7 @@ def run_arrivals(args: argparse.Namespace) -> int:
                 )
             )
         rows.append({"mode": mode, **row})
-    print(format_arrivals(rows))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args) | {"func": None}, "results": rows}, indent=2))
-    print(f"wrote {out}")
-    return 1 if any(r["errors"] for r in rows) else 0
+    return report(args, rows, format_arrivals(rows))
 
 
 def format_arrivals(rows: list[dict[str, Any]]) -> str:

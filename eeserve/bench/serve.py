@@ -244,7 +244,13 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             seed=args.seed,
         )
-    print(format_table(rows))
+    return report(args, rows, format_table(rows))
+
+
+def report(args: argparse.Namespace, rows: list[dict[str, Any]], table: str) -> int:
+    """Print ``table``, write the rows and the command's options as JSON to ``--out``; the exit
+    status says whether any request failed."""
+    print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args) | {"func": None}, "results": rows}, indent=2))
