@@ -5,12 +5,12 @@ Contract: ``bench_serve(base_url, model, ...)`` sends a fixed, seeded prompt set
 request rate (``inf`` = all at once), once with early exit off (``{"enabled": false}``) and once
 with it on (the given threshold/measure, or the model's exit config), in the same run and
 against the same server. Per (mode, rate) it returns request and output-token throughput, TTFT,
-inter-token latency (time between streamed chunks) and end-to-end latency percentiles in ms,
-the mean exit layer and the error count. ``run_bench_serve(args)`` is the CLI entry: it benchmarks
-``--base-url``, or starts ``python -m eeserve.server MODEL`` on a free loopback port for the run,
-prints a table and writes JSON. ``one_request``, ``percentiles`` and ``server`` are shared with
-the long-prompt scenario (``bench.arrivals``). Only the given base URL (default: loopback) is
-contacted.
+inter-token latency (time between streamed chunks that carry tokens) and end-to-end latency
+percentiles in ms, the mean exit layer and the error count. ``run_bench_serve(args)`` is the CLI
+entry: it benchmarks ``--base-url``, or starts ``python -m eeserve.server MODEL`` on a free
+loopback port for the run, prints a table and writes JSON. ``one_request``, ``percentiles`` and
+``server`` are shared with the long-prompt scenario (``bench.arrivals``). Only the given base URL
+(default: loopback) is contacted.
 """
 
 from __future__ import annotations
@@ -83,7 +83,9 @@ async def one_request(
                     res.error = str(obj["error"].get("message"))
                     return res
                 now = time.perf_counter()
-                if any(c.get("text") for c in obj.get("choices", [])):
+                # A chunk carries tokens when it has text or per-token exit records (a token
+                # whose text is held back, or a special token, has no text of its own).
+                if any(c.get("text") or c.get("exit_tokens") for c in obj.get("choices", [])):
                     if res.ttft is None:
                         res.ttft = now - t0
                     else:
