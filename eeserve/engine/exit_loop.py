@@ -240,7 +240,8 @@ class ExitLoop:
             if not b.fill or _seq(r, b, seq_of_row) in b.speculative
         ]
         if len(owe) < len(idx):
-            fill = [k for k in range(len(idx)) if k not in set(owe)]
+            owed = set(owe)
+            fill = [k for k in range(len(idx)) if k not in owed]
             h_fill = _rows(h_left, fill)
             st.fill_rows += [rows_left[k] for k in fill]
             st.fill_h = h_fill if st.fill_h is None else torch.cat([st.fill_h, h_fill])

@@ -117,9 +117,9 @@ class Scheduler:
         sequences that got their slot, and the preempted ones."""
         kept: list[Sequence] = []
         preempted: list[Sequence] = []
-        queue = [s for s in self.running]  # admission order: victims come from the end
+        queue = list(self.running)  # admission order: victims come from the end
         for seq in decoding:
-            if seq not in queue:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted to make room for an earlier one
             while not self.block_manager.can_append(seq):
                 victim = queue.pop()

@@ -15,7 +15,7 @@ at an exit it leaves with a draft token and owes the deep layers of its position
 ``recompute`` KV debt). A row that is not confident at any exit, or that may not draft (limit
 reached), runs to full depth with every owed position as a passenger: that is the verification,
 and the final head is applied to those passenger rows too. The engine then rolls back the
-rejected positions (``Sequence.keep_verified``, ``BlockManager.truncate``).
+rejected positions (``LLMEngine._apply_spec``, ``BlockManager.truncate``).
 """
 
 from __future__ import annotations

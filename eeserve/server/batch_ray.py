@@ -25,7 +25,7 @@ from eeserve.config import EngineConfig
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.server.batch import Envelope
 from eeserve.server.batch_run import BatchProcessor, Emit
-from eeserve.server.replicas import LOCAL_SYSTEM_CONFIG, NAMESPACE, import_ray
+from eeserve.server.replicas import import_ray, init_ray
 
 
 @dataclass
@@ -66,13 +66,7 @@ def run_on_ray(
         return
     started = not ray.is_initialized()
     if started:
-        local = opts.address is None
-        ray.init(
-            address=opts.address,
-            namespace=NAMESPACE,
-            include_dashboard=False,
-            _system_config=LOCAL_SYSTEM_CONFIG if local else None,
-        )
+        init_ray(ray, opts.address)
     try:
         ray.data.DataContext.get_current().enable_progress_bars = False
         # Enough shards to keep every actor busy; a shard is batched inside one engine.

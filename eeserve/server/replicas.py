@@ -64,6 +64,17 @@ def import_ray(*subpackages: str) -> Any:
     return ray
 
 
+def init_ray(ray: Any, address: str | None) -> None:
+    """Connect to the cluster at ``address``, or start a local one whose workers run at normal
+    priority (``LOCAL_SYSTEM_CONFIG``)."""
+    ray.init(
+        address=address,
+        namespace=NAMESPACE,
+        include_dashboard=False,
+        _system_config=LOCAL_SYSTEM_CONFIG if address is None else None,
+    )
+
+
 @dataclass
 class ReplicaOptions:
     engine: dict[str, Any]  # EngineConfig fields (plain data: it travels to every replica)
@@ -176,13 +187,7 @@ def run_replicas(args: argparse.Namespace) -> int:
         threads=args.threads_per_replica,
         shutdown_timeout=args.shutdown_timeout,
     )
-    local = args.ray_address is None
-    ray.init(
-        address=args.ray_address,
-        namespace=NAMESPACE,
-        include_dashboard=False,
-        _system_config=LOCAL_SYSTEM_CONFIG if local else None,
-    )
+    init_ray(ray, args.ray_address)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -195,7 +200,7 @@ def run_replicas(args: argparse.Namespace) -> int:
         stop.wait()
         log.info("shutting down: in-flight requests get %.0f s", opts.shutdown_timeout)
         stop_replicas(deployed)
-        if local:
+        if args.ray_address is None:  # our own local cluster: take Serve down with it
             ray.serve.shutdown()
     finally:
         ray.shutdown()
