@@ -239,6 +239,29 @@ def test_training_lowers_the_exit_loss_and_holds_the_final(tiny_varied_dir: Path
     assert stats["final_kl_max"] < min(first.values()), stats
 
 
+def test_training_curve_and_the_frozen_base_baseline(tiny_varied_dir: Path) -> None:
+    """With held-out groups a curve point is measured before the first step, every
+    ``eval_every`` steps and after the last; ``lora_lr=0`` trains the heads alone (zero delta,
+    full depth the original's at every point) on the same data."""
+    heldout = _groups(3, seed=7)
+    points = {}
+    for lr in (3e-3, 0.0):
+        model, _ = load_model(tiny_varied_dir, torch.float32, torch.device("cpu"))
+        opts = _opts(tiny_varied_dir, tiny_varied_dir, base_batch_tokens=64, lora_lr=lr)
+        opts = replace(opts, eval_every=4)
+        delta, stats = train_base_delta(model, _groups(4) * 5, LAYERS, opts, None, heldout)
+        curve = stats["curve"]
+        assert [c["tokens"] for c in curve] == [0, 4 * 64, 8 * 64, 10 * 64]
+        assert all(c["positions"] == 3 * 29 for c in curve)
+        assert curve[0]["full_depth_agreement_with_original"] == 1.0  # B starts at zero
+        zero = all(float(v.abs().max()) == 0 for k, v in delta.tensors.items() if "lora_B" in k)
+        assert zero == (lr == 0)
+        points[lr] = curve
+    assert all(c["full_depth_agreement_with_original"] == 1.0 for c in points[0.0])
+    assert points[0.0][0] == points[3e-3][0], "same heads, same model at step 0"
+    assert points[0.0][-1]["exit_agreement"] != points[0.0][0]["exit_agreement"], "heads trained"
+
+
 def test_tune_with_train_base_writes_a_v2_sidecar_and_report(
     tiny_varied_dir: Path, tmp_path: Path
 ) -> None:
@@ -249,7 +272,9 @@ def test_tune_with_train_base_writes_a_v2_sidecar_and_report(
     assert 0 <= v["full_depth_agreement_with_original"] <= 1
     assert set(v["perplexity"]) == {"original", "variant"}
     assert all("agreement_original" in row for row in report["layers"])
-    assert "with the original's final" in (folder / "tune_report.md").read_text()
+    assert v["training"]["curve"][0]["tokens"] == 0
+    md = (folder / "tune_report.md").read_text()
+    assert "with the original's final" in md and "Training curve" in md
     found = load_sidecar(folder)
     assert found is not None and found[0].base_delta is not None
     assert found[0].base_delta["base_model_hash"] == weights_hash(folder)

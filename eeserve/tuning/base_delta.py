@@ -13,6 +13,9 @@ the same step with the adapters switched off. Steps are batches of whole groups 
 ``base_batch_tokens`` tokens, every position trained. Deterministic for a seed and thread count;
 checkpointed every ``checkpoint_every`` steps in ``checkpoints`` and resumed from there (a
 finished run is loaded, not retrained). Runs on ``opts.device`` ("auto": CUDA when present).
+Given held-out groups, a point of the training curve (``tuning.delta_curve``) is measured before
+the first step, every ``eval_every`` steps and after the last. ``lora_lr=0`` freezes the base (the
+delta stays zero, no gradient flows through the layers): the heads-only baseline of the same run.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaForCausalLM, Rotary
 from eeserve.tuning.data import Group, Packed, pack_groups, run_layers
+from eeserve.tuning.delta_curve import CurveProbe
 from eeserve.tuning.heads import TuneOptions, candidates, init_heads, sampled_kl, schedule
 
 CHECKPOINT = "delta.pt"
@@ -171,6 +175,10 @@ class _Step:
     opts: TuneOptions
     gen: torch.Generator  # CPU: the sampled vocabulary's negatives
 
+    @property
+    def trains_base(self) -> bool:
+        return self.opts.lora_lr > 0
+
 
 def _states(step: _Step, packed: Packed, layers: list[int]) -> tuple[dict[int, Any], Any]:
     """Exit-layer inputs {l: [m, D]} and the final-normed state [m, D] at the trained rows."""
@@ -191,11 +199,14 @@ def step_loss(step: _Step, part: list[Group]) -> tuple[torch.Tensor, list[float]
     packed = pack_groups(part, True, True).to(lm_w.device)
     with torch.no_grad():
         step.adapters.enable(False)
-        _, teacher = _states(step, packed, [])
+        frozen_hidden, teacher = _states(step, packed, [] if step.trains_base else layers)
         step.adapters.enable(True)
         top = torch.cat([(t @ lm_w.T).topk(step.opts.topk, -1).indices for t in teacher.split(512)])
     cand = candidates(top.cpu(), lm_w.shape[0], step.opts.negatives, step.gen).to(lm_w.device)
-    hidden, final = _states(step, packed, layers)
+    if step.trains_base:
+        hidden, final = _states(step, packed, layers)
+    else:  # a zero delta: the student's states are the teacher's
+        hidden, final = frozen_hidden, teacher
     exit_kl = [
         sampled_kl(step.heads.normed(lay, hidden[lay]), teacher, lm_w, cand) for lay in layers
     ]
@@ -212,15 +223,18 @@ def train_base_delta(
     exit_layers: list[int],
     opts: TuneOptions,
     checkpoints: Path | None = None,
+    heldout: list[Group] | None = None,
 ) -> tuple[BaseDelta, dict[str, Any]]:
-    """Train the delta (see the module docstring); ``model`` is returned to the CPU unchanged."""
+    """Train the delta (see the module docstring); ``model`` is returned to the CPU unchanged.
+    ``heldout``: the groups the training curve is measured on (none: no curve)."""
     device = resolve_device(opts.device)
     cfg = ExitConfig(model.config.num_layers, exit_layers, head="tuned", adapter="linear")
     heads = init_heads(cfg, model).to(device)
     model.to(device)
     adapters = attach_adapters(model, opts.lora_rank, opts.lora_alpha / opts.lora_rank, opts.seed)
     try:
-        stats = _train(model, adapters, heads, groups, opts, checkpoints)
+        probe = CurveProbe(heldout, opts.base_batch_tokens) if heldout and opts.eval_every else None
+        stats = _train(model, adapters, heads, groups, opts, checkpoints, probe)
     finally:
         adapters.remove()
         model.to("cpu")
@@ -234,13 +248,16 @@ def _train(
     groups: list[Group],
     opts: TuneOptions,
     checkpoints: Path | None,
+    probe: CurveProbe | None,
 ) -> dict[str, Any]:
     layers = heads.config.exit_layers
     head_params = [p for n, p in heads.named_parameters() if not n.startswith("classifier")]
-    groups_: list[dict[str, Any]] = [
-        {"params": adapters.parameters(), "lr": opts.lora_lr},
-        {"params": head_params},
-    ]
+    groups_: list[dict[str, Any]] = [{"params": head_params}]
+    if opts.lora_lr > 0:
+        groups_.append({"params": adapters.parameters(), "lr": opts.lora_lr})
+    else:
+        for p in adapters.parameters():
+            p.requires_grad_(False)
     opt = torch.optim.AdamW(
         groups_,
         lr=opts.joint_head_lr,  # the auxiliary heads: raw inputs, unlike ``heads.train_head``
@@ -248,14 +265,17 @@ def _train(
     )
     batches = plan_batches(groups, opts.base_batch_tokens, opts.seed)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s, len(batches)))
-    max_len = max(g.num_tokens for g in groups)
+    max_len = max(g.num_tokens for g in [*groups, *(probe.groups if probe else [])])
     rope = tuple(t.to(next(model.parameters()).device) for t in rope_tables(model.config, max_len))
     weights = layer_weights(opts, layers, model.config.num_layers)
     step = _Step(model, adapters, heads, (rope[0], rope[1]), weights, opts, torch.Generator())
     step.gen.manual_seed(opts.seed)
     log: dict[str, Any] = {"loss": [], "exit_kl": [], "final_kl": [], "tokens": 0, "seconds": 0.0}
+    log["curve"] = []
     ckpt = checkpoints / CHECKPOINT if checkpoints else None
     start = _resume(ckpt, adapters, heads, opt, sched, step.gen, log)
+    if probe is not None and not log["curve"]:
+        _curve_point(step, probe, log)
     sizes = [sum(groups[i].num_tokens for i in b) for b in batches]
     bar = tqdm(total=sum(sizes), initial=sum(sizes[:start]), desc="base delta", unit="tok")
     for n in range(start, len(batches)):
@@ -272,10 +292,18 @@ def _train(
         log["seconds"] += time.perf_counter() - t0
         bar.update(sizes[n])
         bar.set_postfix(loss=f"{log['loss'][-1]:.3f}", final_kl=f"{final_kl:.3f}")
+        if probe is not None and ((n + 1) % opts.eval_every == 0 or n + 1 == len(batches)):
+            _curve_point(step, probe, log)
         if ckpt is not None and ((n + 1) % opts.checkpoint_every == 0 or n + 1 == len(batches)):
             _save(ckpt, n + 1, adapters, heads, opt, sched, step.gen, log)
     bar.close()
     return _summary(log, layers, len(batches))
+
+
+def _curve_point(step: _Step, probe: CurveProbe, log: dict[str, Any]) -> None:
+    point = probe.point(step.model, step.heads, step.adapters.enable, step.rope)
+    log["curve"].append({"tokens": log["tokens"], **point})
+    tqdm.write(f"curve at {log['tokens']} tokens: {point}")
 
 
 def _save(
@@ -344,4 +372,5 @@ def _summary(log: dict[str, Any], layers: list[int], steps: int) -> dict[str, An
         "exit_kl_last": {str(lay): avg([r[e] for r in last]) for e, lay in enumerate(layers)},
         "final_kl_last": avg(log["final_kl"][-k:]),
         "final_kl_max": max(log["final_kl"], default=0.0),
+        "curve": log["curve"],
     }

@@ -31,11 +31,13 @@ _KNOBS = {  # TuneOptions fields set from the command line, with their help
     "base_tokens": "--train-base: self-generated tokens the base delta learns from",
     "lora_rank": "--train-base lora: rank of the base delta",
     "lora_alpha": "--train-base lora: the delta is scaled by alpha / rank",
-    "lora_lr": "--train-base lora: peak learning rate of the base delta",
+    "lora_lr": "--train-base lora: peak learning rate of the base delta (0: base frozen, the "
+    "heads-only baseline on the same data)",
     "final_weight": "--train-base: loss weight of KL(original final || variant final)",
     "joint_head_lr": "--train-base: learning rate of the exit heads trained with the delta",
     "base_batch_tokens": "--train-base: tokens per base-delta training step",
     "checkpoint_every": "--train-base: steps between base-delta checkpoints",
+    "eval_every": "--train-base: steps between held-out points of the training curve (0: none)",
 }
 
 

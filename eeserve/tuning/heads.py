@@ -80,13 +80,22 @@ class TuneOptions:
     layer_weights: list[float] | None = None  # per exit layer; default l / L (CALM)
     base_batch_tokens: int = 512  # tokens (prompt and continuation) per delta training step
     checkpoint_every: int = 50  # delta training steps between checkpoints
+    eval_every: int = 40  # delta training steps between held-out curve points (0: none)
     device: str = "auto"  # of the delta training: "cuda" when present, else "cpu"
 
     def key(self) -> str:
         """Hash of everything that changes the trained heads (names the checkpoint folder)."""
         d = asdict(self)
         d["data"] = [(str(p), p.stat().st_mtime_ns) for p in self.data]
-        for k in ("out", "cache_dir", "threads", "target_agreement", "device", "checkpoint_every"):
+        for k in (
+            "out",
+            "cache_dir",
+            "threads",
+            "target_agreement",
+            "device",
+            "checkpoint_every",
+            "eval_every",
+        ):
             d.pop(k)
         d.pop("lr" if self.adapter == "layer" else "layer_lr")  # unused: old keys stay valid
         if self.train_base == "none":  # heads of the frozen model: old keys stay valid

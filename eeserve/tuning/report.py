@@ -357,6 +357,27 @@ def _variant_rows(r: dict[str, Any]) -> list[str]:
         out.append(
             f"| {row['layer']} | {row['agreement_tuned']:.3f} | {row['agreement_original']:.3f} |"
         )
+    return out + _curve_rows(v["training"].get("curve", []))
+
+
+def _curve_rows(curve: list[dict[str, Any]]) -> list[str]:
+    """The delta's training curve: its joint heads' held-out agreement against tokens seen."""
+    if not curve:
+        return []
+    layers = list(curve[0]["exit_agreement"])
+    out = [
+        "",
+        f"Training curve ({curve[0]['positions']} held-out positions, teacher-forced): the joint "
+        "heads' argmax agreement with the variant's own final, and the variant's full depth "
+        "with the original's.",
+        "",
+        "| tokens | " + " | ".join(f"layer {x}" for x in layers) + " | full depth |",
+        "|---:|" + "---:|" * (len(layers) + 1),
+    ]
+    for c in curve:
+        cells = [f"{c['exit_agreement'][x]:.3f}" for x in layers]
+        full = c["full_depth_agreement_with_original"]
+        out.append(f"| {c['tokens']} | " + " | ".join(cells) + f" | {full:.3f} |")
     return out
 
 

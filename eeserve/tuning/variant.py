@@ -69,7 +69,9 @@ def make_variant(
     base_hash = weights_hash(folder)
     original = collect(model, heldout_groups, exit_layers[:1], topk=1, desc="collect (original)")
     ppl = perplexity(model, heldout_groups)
-    delta, stats = train_base_delta(model, train_groups, exit_layers, opts, checkpoints)
+    delta, stats = train_base_delta(
+        model, train_groups, exit_layers, opts, checkpoints, heldout_groups
+    )
     stored = rounded(delta)
     merge_base_delta(model, stored)
     return Variant(stored, base_hash, original.target, ppl, stats)
