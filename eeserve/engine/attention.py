@@ -29,6 +29,9 @@ class SeqSpan:
     q_positions: list[int]  # their positions in the sequence
     context_slots: torch.Tensor  # [ctx_len] slots of positions 0..ctx_len-1
     fresh: bool  # rows are exactly positions 0..ctx_len-1 and nothing was cached before
+    # [1, 1, n, ctx_len] additive causal mask of a long non-fresh span (a prompt chunk over its
+    # cached prefix), built once per pass rather than once per layer.
+    key_bias: torch.Tensor | None = None
 
 
 # Spans of at most this many query rows (decode steps, also with owed ``recompute`` positions) are
@@ -57,6 +60,9 @@ class AttnMeta:
     ) -> AttnMeta:
         meta = cls(slot_mapping, spans)
         short = [not s.fresh and len(s.rows) <= ROWWISE_MAX_ROWS for s in spans]
+        for s, is_short in zip(spans, short):
+            if not s.fresh and not is_short:
+                s.key_bias = _causal_bias(s, dtype)
         if not any(short):
             return meta
         n = len(slot_mapping)
@@ -84,9 +90,11 @@ class AttnMeta:
         for s in self.spans:
             pairs = [(new_index[r], p) for r, p in zip(s.rows, s.q_positions) if r in new_index]
             if pairs:
-                spans.append(
-                    SeqSpan([r for r, _ in pairs], [p for _, p in pairs], s.context_slots, False)
-                )
+                rows, positions = [r for r, _ in pairs], [p for _, p in pairs]
+                span = SeqSpan(rows, positions, s.context_slots, False)
+                if s.key_bias is not None:
+                    span.key_bias = _causal_bias(span, s.key_bias.dtype)
+                spans.append(span)
         idx = torch.tensor(keep_rows, dtype=torch.long, device=self.slot_mapping.device)
         meta = AttnMeta(self.slot_mapping[idx], spans)
         if self.row_slots is not None and self.row_lens is not None and self.rowwise is not None:
@@ -170,13 +178,24 @@ class PagedKVCache:
             vs = v[rows[0] : rows[-1] + 1].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
-            kc = self.k[layer][s.context_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, hd]
-            vc = self.v[layer][s.context_slots].transpose(0, 1).unsqueeze(0)
-            t = len(s.context_slots)
-            qpos = torch.tensor(s.q_positions, device=q.device)
-            mask = torch.arange(t, device=q.device)[None, :] <= qpos[:, None]  # [n, T]
-            o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask, enable_gqa=True)
+            slots = s.context_slots
+            kc = (
+                self.k[layer].index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            )  # [1, Hkv, T, hd]
+            vc = self.v[layer].index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            bias = s.key_bias if s.key_bias is not None else _causal_bias(s, q.dtype)
+            o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=bias, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1).reshape(len(rows), -1)
+
+
+def _causal_bias(s: SeqSpan, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, n, T]: 0 where a query may see a context position (its own and earlier), else -inf.
+    Additive, in the cache dtype: CPU SDPA is slower with a bool mask."""
+    dev = s.context_slots.device
+    qpos = torch.tensor(s.q_positions, device=dev)
+    hidden = torch.arange(len(s.context_slots), device=dev)[None, :] > qpos[:, None]  # [n, T]
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=dev).masked_fill_(hidden, float("-inf"))
+    return bias[None, None]
 
 
 def _contiguous(rows: list[int]) -> bool:
