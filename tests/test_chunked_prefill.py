@@ -18,7 +18,7 @@ import pytest
 
 from eeserve import LLM, EngineConfig, ExitParams, RequestOutput, SamplingParams
 from eeserve.engine.block_manager import BlockManager
-from eeserve.engine.scheduler import Scheduler, SchedulerConfig
+from eeserve.engine.scheduler import Scheduler, SchedulerConfig, chunk_size
 from eeserve.engine.sequence import Sequence
 from tests.test_engine_tiny import assert_same_completion
 from tests.tiny_model import kv_block_bytes, make_llm, random_prompt
@@ -88,6 +88,34 @@ def test_long_prompt_is_split_while_every_running_sequence_decodes() -> None:
     for s in [*short, long]:
         sched.finish(s, "stop")
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_attention_context_shortens_late_chunks_within_the_budget() -> None:
+    """Position p costs 1 + p / C: chunks shrink as the prompt goes on, no pass costs more than
+    the budget, and every prompt position is computed exactly once."""
+    bm = BlockManager(num_blocks=128, block_size=4, enable_prefix_caching=False)
+    c, budget = 40.0, 48
+    sched = Scheduler(SchedulerConfig(4, budget, True, attention_context=c), bm)
+    sp = SamplingParams(max_tokens=100)
+    short = Sequence("s0", [1, 2, 3], sp)
+    sched.add(short)
+    _fake_step(sched.schedule())
+    long = Sequence("long", list(range(3, 203)), sp)  # 200 positions
+    sched.add(long)
+    chunks = []
+    while not long.output_token_ids:
+        out = sched.schedule()
+        counts = dict(zip([s.request_id for s in out.seqs], out.num_tokens))
+        assert counts["s0"] == 1
+        start, n = long.num_computed_tokens, counts["long"]
+        assert 1 + sum(1 + p / c for p in range(start, start + n)) <= budget + 1e-9
+        chunks.append(n)
+        _fake_step(out)
+    assert sum(chunks) == 200 and long.num_computed_tokens == 200
+    assert chunks == sorted(chunks, reverse=True) and chunks[0] > 3 * chunks[-2], chunks
+    assert chunk_size(0, 100, 10, 0.0) == (10, 10.0)  # C = 0: a position counts one
+    assert chunk_size(5, 3, 10, 0.0) == (3, 3.0)
+    assert chunk_size(10_000, 50, 2.0, 40.0)[0] == 1  # at least one position, always
 
 
 def test_chunked_prefill_needs_room_beyond_the_decode_rows() -> None:

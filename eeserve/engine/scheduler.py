@@ -9,7 +9,11 @@ that pass only when those positions reach its last token.
   waits for a prompt), then prompt chunks of running sequences still prefilling, then of waiting
   sequences admitted in arrival order, until ``max_num_batched_tokens`` positions (decode rows
   count one each, plus owed ``recompute`` positions). A prompt longer than the budget is prefilled
-  over several passes; its blocks are reserved when it is admitted.
+  over several passes; its blocks are reserved when it is admitted. With ``attention_context``
+  = C > 0, a prompt position p counts 1 + p / C instead of 1: its attention over the p positions
+  before it costs p / C of its projections, so a late chunk of a long prompt is shorter than an
+  early one and every pass costs about the same (the decoding streams' gap is bounded, not only
+  the token count). Every chunk gets at least one position.
 - Without it: a pass is either a prefill batch (new or resumed sequences, whole prompts; prefills
   go first so that waiting requests join as soon as they fit) or a decode batch (every running
   sequence, one token each).
@@ -22,6 +26,7 @@ by the engine before they get here.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -34,6 +39,20 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = False
+    attention_context: float = 0.0  # C above; 0: every position counts one
+
+
+def chunk_size(start: int, remaining: int, budget: float, context: float) -> tuple[int, float]:
+    """The most positions from ``start`` on (at most ``remaining``, at least one) whose cost
+    sum_p (1 + p / context) fits ``budget``, and that cost (``context`` 0: one per position)."""
+    if context <= 0:
+        n = max(1, min(remaining, int(budget)))
+        return n, float(n)
+    # n (1 + (start + (n - 1) / 2) / C) <= budget: the positive root of the quadratic in n.
+    b = 1 + (start - 0.5) / context
+    n = int((-b + math.sqrt(b * b + 2 * budget / context)) * context)
+    n = max(1, min(remaining, n))
+    return n, n * (1 + (start + (n - 1) / 2) / context)
 
 
 @dataclass
@@ -70,23 +89,31 @@ class Scheduler:
         decoding = [s for s in self.running if s.num_new_tokens == 1]
         kept, preempted = self._reserve(decoding)
         prefilling = [s for s in self.running if s.num_new_tokens > 1]
-        budget = self.config.max_num_batched_tokens - sum(1 + len(s.kv_debt) for s in kept)
+        budget: float = self.config.max_num_batched_tokens
+        budget -= sum(1 + len(s.kv_debt) for s in kept)
         seqs, counts = list(kept), [1] * len(kept)
         for seq in prefilling:
             if budget <= 0:
                 break
-            seqs.append(seq)
-            counts.append(min(seq.num_new_tokens, budget))
-            budget -= counts[-1]
+            budget = self._add_chunk(seq, budget, seqs, counts)
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
                 break
             self._admit(seq)
-            seqs.append(seq)
-            counts.append(min(seq.num_new_tokens, budget))
-            budget -= counts[-1]
+            budget = self._add_chunk(seq, budget, seqs, counts)
         return SchedulerOutput(seqs, counts, preempted)
+
+    def _add_chunk(
+        self, seq: Sequence, budget: float, seqs: list[Sequence], counts: list[int]
+    ) -> float:
+        """Schedule ``seq``'s next prompt chunk; returns the budget left."""
+        n, cost = chunk_size(
+            seq.num_computed_tokens, seq.num_new_tokens, budget, self.config.attention_context
+        )
+        seqs.append(seq)
+        counts.append(n)
+        return budget - cost
 
     def _admit(self, seq: Sequence) -> None:
         self.waiting.popleft()
