@@ -38,6 +38,10 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # A prompt chunk's position p counts 1 + p / attention_context against the budget (its
+    # attention over p earlier positions): None derives it from the model's shape and the device
+    # (``CostModel.attention_context``); 0 counts every position as one.
+    attention_context: float | None = None
     exit_policy: str = "per_sequence"
     kv_fill: str = "fill"
     # The engine's fused CPU kernels (eeserve/csrc, built once per machine); off: PyTorch ops only.
@@ -56,6 +60,10 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must exceed max_num_seqs "
                 f"({self.max_num_seqs}) with chunked prefill: decode rows come first and prompt "
                 "chunks would get no room"
+            )
+        if self.attention_context is not None and not self.attention_context >= 0:
+            raise ValueError(
+                f"attention_context must be None or >= 0, got {self.attention_context!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")

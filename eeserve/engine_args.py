@@ -34,6 +34,13 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
         default=True,
         help="mix decode rows and prompt chunks in one pass (no decode stalls on long prompts)",
     )
+    p.add_argument(
+        "--attention-context",
+        type=float,
+        default=None,
+        help="a prompt chunk's position p counts 1 + p / this against the budget "
+        "(default: from the model's shape and the device; 0: one per position)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--exit-policy", default="per_sequence", choices=EXIT_POLICIES)
@@ -58,6 +65,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        attention_context=args.attention_context,
         exit_policy=args.exit_policy,
         kv_fill=args.kv_fill,
         quantization=args.quantization,

@@ -22,12 +22,19 @@ from eeserve.engine.scheduler import Scheduler, SchedulerConfig
 from eeserve.engine.sequence import Sequence
 from eeserve.engine.speculative import SpecOutput
 from eeserve.exit_params import ExitParams
+from eeserve.models.cost import CostModel
 from eeserve.models.exit_heads import load_exit_setup
 from eeserve.models.loader import load_model, resolve_model, sidecar_folders
 from eeserve.outputs import CompletionOutput, ExitStats, RequestOutput
 from eeserve.sampling_params import SamplingParams, check_text
 
 log = logging.getLogger(__name__)
+
+# Attention's FLOP rate relative to the projections' when a prompt chunk attends to its context
+# (``EngineConfig.attention_context``). CPU: measured on the default model (docs/engine.md,
+# "Chunked prefill"): the SDPA kernel is well below the packed GEMMs' rate. Elsewhere assumed
+# equal (not measured).
+ATTENTION_EFFICIENCY = {"cpu": 0.4}
 
 
 @dataclass
@@ -71,8 +78,12 @@ class LLMEngine:
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:  # a whole prompt must fit in one pass
             budget = max(budget, self.max_model_len)
+        context = config.attention_context
+        if context is None:
+            efficiency = ATTENTION_EFFICIENCY.get(device.type, 1.0)
+            context = CostModel.of(mcfg).attention_context(mcfg, efficiency)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, budget, config.enable_chunked_prefill),
+            SchedulerConfig(config.max_num_seqs, budget, config.enable_chunked_prefill, context),
             self.block_manager,
         )
         # A sidecar with a base delta (a model trained to exit) is merged into ``model`` here,

@@ -35,6 +35,13 @@ class CostModel:
             attn=float(attn),
         )
 
+    def attention_context(self, cfg: ModelConfig, efficiency: float) -> float:
+        """The context length at which one position's attention (a score and a value
+        multiply-add per head dimension, head and earlier position) takes as long as its
+        projections (``layer``), when attention runs at ``efficiency`` times the projections'
+        FLOP rate."""
+        return efficiency * self.layer / (2 * cfg.num_heads * cfg.head_dim)
+
     def ideal_ratio(self, num_layers: int, exit_layer: int, layer_head: bool = False) -> float:
         """Cost(full depth) / cost(exit at ``exit_layer`` with ``fill``): one head projection
         either way (the exit's logits give the token), fill K/V for the layers above. The same
