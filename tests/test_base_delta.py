@@ -30,10 +30,9 @@ from eeserve.tuning.base_delta import attach_adapters, train_base_delta
 from eeserve.tuning.data import Group, collect
 from eeserve.tuning.heads import init_heads
 from eeserve.tuning.tune import tune
-from tests.tiny_model import hf_greedy, load_hf, make_llm, tiny_tune_options
+from tests.tiny_model import add_base_delta, hf_greedy, load_hf, make_llm, tiny_tune_options
 
 LAYERS = [1, 2, 3]
-HF_GROUP = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn"}
 
 
 def _groups(n: int = 8, seed: int = 0) -> list[Group]:
@@ -114,21 +113,7 @@ def test_sidecar_v2_round_trip_and_engine_matches_hf(tiny_varied_dir: Path, tmp_
     found = load_sidecar(folder)
     assert found is not None and found[0] == cfg
     hf = load_hf(tiny_varied_dir)
-    stored = {k: v.float() for k, v in load_sidecar_delta(folder).items()}
-    with torch.no_grad():
-        for i, layer in enumerate(hf.model.layers):
-            for proj in (
-                "q_proj",
-                "k_proj",
-                "v_proj",
-                "o_proj",
-                "gate_proj",
-                "up_proj",
-                "down_proj",
-            ):
-                mod = getattr(layer.self_attn if proj in (*HF_GROUP, "o_proj") else layer.mlp, proj)
-                a, b = (stored[f"{delta_key(i, proj)}.lora_{x}"] for x in "AB")
-                mod.weight += 0.5 * b @ a
+    add_base_delta(hf, folder, 0.5)
     prompt = [5, 17, 42, 8, 99]
     want = hf_greedy(hf, prompt, 12)
     llm = make_llm(folder, enable_prefix_caching=False)
@@ -140,14 +125,6 @@ def test_sidecar_v2_round_trip_and_engine_matches_hf(tiny_varied_dir: Path, tmp_
     )[0]
     assert list(out.outputs[0].token_ids) == want
     assert want != hf_greedy(load_hf(tiny_varied_dir), prompt, 12), "delta changes nothing"
-
-
-def load_sidecar_delta(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(folder / "base_delta.safetensors"))
-    assert all(t.dtype == torch.float16 for t in tensors.values())
-    return tensors
 
 
 def test_delta_refuses_another_base(

@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from eeserve import LLM, CompletionOutput, ExitParams, SamplingParams
+from eeserve.models.base_delta import delta_key
 
 _TEXT = [
     "The quick brown fox jumps over the lazy dog.",
@@ -114,6 +116,22 @@ def load_hf(folder: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def add_base_delta(hf: Any, folder: Path, scale: float) -> None:
+    """W += scale * B @ A on an HF model, by HF projection name, from the float16 delta stored in
+    the sidecar ``folder`` (``base_delta.safetensors``): the oracle for a model trained to exit."""
+    stored = load_file(str(folder / "base_delta.safetensors"))
+    assert all(t.dtype == torch.float16 for t in stored.values())
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            for group, projs in (
+                (layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                (layer.mlp, ("gate_proj", "up_proj", "down_proj")),
+            ):
+                for proj in projs:
+                    a, b = (stored[f"{delta_key(i, proj)}.lora_{x}"].float() for x in "AB")
+                    getattr(group, proj).weight += scale * b @ a
 
 
 def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
