@@ -31,9 +31,9 @@ from eeserve.sampling_params import SamplingParams, check_text
 log = logging.getLogger(__name__)
 
 # Attention's FLOP rate relative to the projections' when a prompt chunk attends to its context
-# (``EngineConfig.attention_context``). CPU: measured on the default model (docs/engine.md,
-# "Chunked prefill"): the SDPA kernel is well below the packed GEMMs' rate. Elsewhere assumed
-# equal (not measured).
+# (``EngineConfig.attention_context``). CPU: SDPA ran a chunk's attention at 0.25-0.4 of the
+# packed GEMMs' rate on the default model, and 0.4 gave passes of near equal cost
+# (docs/benchmarks.md, "Attention-weighted chunks"). Elsewhere assumed equal (not measured).
 ATTENTION_EFFICIENCY = {"cpu": 0.4}
 
 
