@@ -262,13 +262,14 @@ def test_tune_with_train_base_writes_a_v2_sidecar_and_report(
 def test_variant_name_without_its_sidecar_fails_before_any_fetch(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    if (loader._DATA / "smollm2-ee" / CONFIG_NAME).exists():
-        pytest.skip("the smollm2-ee sidecar is packaged")
+    """A checkout without the packaged sidecar (here: an empty package data folder)."""
 
     def no_fetch() -> Path:
         raise AssertionError("fetched the default model before resolving the name")
 
     monkeypatch.setattr(loader, "fetch_default_model", no_fetch)
+    real = loader.variant_sidecar
+    monkeypatch.setattr(loader, "variant_sidecar", lambda data=tmp_path: real(data))
     with pytest.raises(ValueError, match=r"smollm2-ee.*not in this package yet.*tune-default-ee"):
         make_llm("smollm2-ee")
     with pytest.raises(ValueError, match="tune-default-ee"):

@@ -1,0 +1,52 @@
+"""The default model trained to exit (``smollm2-ee``: the default weights plus the packaged sidecar
+that carries a base delta) against its oracle, HF transformers on the same weights with the same
+float16 delta added by HF projection name; and its exits at the calibrated default."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eeserve import SamplingParams
+from eeserve.models.exit_heads import CONFIG_NAME
+from eeserve.models.loader import packaged_sidecar, resolve_model
+from tests.tiny_model import add_base_delta, hf_greedy, load_hf, make_llm
+
+pytestmark = pytest.mark.slow
+
+N_NEW = 24
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "The three primary colors are"]
+
+
+def test_variant_full_depth_equals_hf_with_the_delta_merged() -> None:
+    llm = make_llm("smollm2-ee", kv_cache_memory=64 * 2**20, exit_policy="none")
+    assert llm.engine.exit_config is not None and llm.engine.exit_config.base_delta is not None
+    sidecar = packaged_sidecar("smollm2-ee")
+    assert sidecar is not None
+    scale = json.loads((sidecar / CONFIG_NAME).read_text())["base_delta"]["scale"]
+    original = load_hf(resolve_model("smollm2"))
+    variant = load_hf(resolve_model("smollm2"))
+    add_base_delta(variant, sidecar, scale)
+    ids = [llm.engine.tokenize(p) for p in PROMPTS]
+    greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=N_NEW)
+    outs = llm.generate(ids, greedy, use_tqdm=False)
+    want = [hf_greedy(variant, i, N_NEW) for i in ids]
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert want != [hf_greedy(original, i, N_NEW) for i in ids], "the delta changes nothing"
+
+
+def test_variant_generates_with_early_exit_at_its_default() -> None:
+    llm = make_llm("smollm2-ee", kv_cache_memory=64 * 2**20)
+    cfg = llm.engine.exit_config
+    assert cfg is not None and cfg.enabled_by_default and cfg.calibration
+    out = llm.generate(
+        ["Explain why the sky is blue."],
+        SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    layers = out.outputs[0].exit_layers
+    stats = out.outputs[0].exit_stats
+    assert len(layers) == 48 and stats is not None
+    assert all(lay in (*cfg.exit_layers, cfg.num_layers) for lay in layers)
+    assert stats.mean_exit_layer == pytest.approx(sum(layers) / len(layers))
