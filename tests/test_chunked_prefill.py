@@ -122,6 +122,9 @@ def test_chunked_prefill_needs_room_beyond_the_decode_rows() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(max_num_seqs=64, max_num_batched_tokens=64)
     EngineConfig(max_num_seqs=64, max_num_batched_tokens=64, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="attention_context"):
+        EngineConfig(attention_context=-1.0)
+    EngineConfig(attention_context=0.0)
 
 
 # -- end to end ------------------------------------------------------------------------------

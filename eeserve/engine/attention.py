@@ -88,12 +88,13 @@ class AttnMeta:
         new_index = {r: i for i, r in enumerate(keep_rows)}
         spans: list[SeqSpan] = []
         for s in self.spans:
-            pairs = [(new_index[r], p) for r, p in zip(s.rows, s.q_positions) if r in new_index]
-            if pairs:
-                rows, positions = [r for r, _ in pairs], [p for _, p in pairs]
-                span = SeqSpan(rows, positions, s.context_slots, False)
-                if s.key_bias is not None:
-                    span.key_bias = _causal_bias(span, s.key_bias.dtype)
+            kept = [i for i, r in enumerate(s.rows) if r in new_index]
+            if kept:
+                rows = [new_index[s.rows[i]] for i in kept]
+                span = SeqSpan(rows, [s.q_positions[i] for i in kept], s.context_slots, False)
+                if s.key_bias is not None:  # the kept queries' rows of the mask
+                    whole = len(kept) == len(s.rows)
+                    span.key_bias = s.key_bias if whole else s.key_bias[:, :, kept]
                 spans.append(span)
         idx = torch.tensor(keep_rows, dtype=torch.long, device=self.slot_mapping.device)
         meta = AttnMeta(self.slot_mapping[idx], spans)
@@ -183,6 +184,7 @@ class PagedKVCache:
                 self.k[layer].index_select(0, slots).transpose(0, 1).unsqueeze(0)
             )  # [1, Hkv, T, hd]
             vc = self.v[layer].index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            # No mask yet: the ``subset`` of a fresh span (a prompt beside rows that exited).
             bias = s.key_bias if s.key_bias is not None else _causal_bias(s, q.dtype)
             o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=bias, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1).reshape(len(rows), -1)

@@ -40,8 +40,8 @@ from eeserve.models.base_delta import (
 from eeserve.models.config import rope_tables
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import ExitHeads
-from eeserve.models.llama import LlamaForCausalLM, Rotary
-from eeserve.tuning.data import Group, Packed, pack_groups, run_layers
+from eeserve.models.llama import LlamaForCausalLM
+from eeserve.tuning.data import Group, exit_states, pack_groups
 from eeserve.tuning.delta_curve import CurveProbe
 from eeserve.tuning.heads import TuneOptions, candidates, init_heads, sampled_kl, schedule
 
@@ -180,18 +180,6 @@ class _Step:
         return self.opts.lora_lr > 0
 
 
-def _states(step: _Step, packed: Packed, layers: list[int]) -> tuple[dict[int, Any], Any]:
-    """Exit-layer inputs {l: [m, D]} and the final-normed state [m, D] at the trained rows."""
-    dtype = step.model.lm_head.weight.dtype
-    cos, sin = step.rope
-    rot = Rotary(cos[packed.positions].to(dtype), sin[packed.positions].to(dtype))
-    keep: dict[str, dict[int, list[torch.Tensor]]] = {
-        k: {lay: [] for lay in layers} for k in ("hidden", "cosine", "lens")
-    }
-    h = run_layers(step.model, packed, rot, layers, False, keep, False)
-    return {lay: v[0] for lay, v in keep["hidden"].items()}, step.model.final_norm(h[packed.rows])
-
-
 def step_loss(step: _Step, part: list[Group]) -> tuple[torch.Tensor, list[float], float]:
     """The weighted distillation loss of one batch; also each exit's KL and the final KL."""
     layers = step.heads.config.exit_layers
@@ -199,12 +187,14 @@ def step_loss(step: _Step, part: list[Group]) -> tuple[torch.Tensor, list[float]
     packed = pack_groups(part, True, True).to(lm_w.device)
     with torch.no_grad():
         step.adapters.enable(False)
-        frozen_hidden, teacher = _states(step, packed, [] if step.trains_base else layers)
+        frozen_hidden, teacher = exit_states(
+            step.model, packed, step.rope, [] if step.trains_base else layers
+        )
         step.adapters.enable(True)
         top = torch.cat([(t @ lm_w.T).topk(step.opts.topk, -1).indices for t in teacher.split(512)])
     cand = candidates(top.cpu(), lm_w.shape[0], step.opts.negatives, step.gen).to(lm_w.device)
     if step.trains_base:
-        hidden, final = _states(step, packed, layers)
+        hidden, final = exit_states(step.model, packed, step.rope, layers)
     else:  # a zero delta: the student's states are the teacher's
         hidden, final = frozen_hidden, teacher
     exit_kl = [

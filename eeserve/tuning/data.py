@@ -318,6 +318,25 @@ def run_layers(
     return h
 
 
+def exit_states(
+    model: LlamaForCausalLM,
+    packed: Packed,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    layers: list[int],
+) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """One pass over ``packed`` (rope: cos, sin tables [max_len, head_dim]): the exit layers'
+    states {l: [m, D]} and the final-normed state [m, D] at the packed rows. Gradients flow
+    unless the caller turns them off (``tuning.base_delta`` trains through it)."""
+    dtype = model.lm_head.weight.dtype
+    cos, sin = rope
+    rot = Rotary(cos[packed.positions].to(dtype), sin[packed.positions].to(dtype))
+    keep: dict[str, dict[int, list[torch.Tensor]]] = {
+        k: {lay: [] for lay in layers} for k in ("hidden", "cosine", "lens")
+    }
+    h = run_layers(model, packed, rot, layers, False, keep, False)
+    return {lay: v[0] for lay, v in keep["hidden"].items()}, model.final_norm(h[packed.rows])
+
+
 def collect_splits(
     model: LlamaForCausalLM,
     train_groups: list[Group],

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from eeserve.models.exit_heads import ExitHeads
-from eeserve.models.llama import LlamaForCausalLM, Rotary
-from eeserve.tuning.data import Group, Packed, chunks, pack_groups, run_layers
+from eeserve.models.llama import LlamaForCausalLM
+from eeserve.tuning.data import Group, Packed, chunks, exit_states, pack_groups
 
 MAX_POSITIONS = 2048
 
@@ -33,9 +33,9 @@ class CurveProbe:
         self.packs: list[Packed] = []
         positions = 0
         for part in chunks(groups, chunk_tokens):
-            packed = pack_groups(part, False, True)
             if positions >= MAX_POSITIONS:
                 break
+            packed = pack_groups(part, False, True)
             if len(packed.rows):
                 self.groups += part
                 self.packs.append(packed)
@@ -80,12 +80,5 @@ def _final_argmax(
     layers: list[int],
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """The final argmax [m] at the packed rows, and the exit layers' states {l: [m, D]}."""
-    dtype = model.lm_head.weight.dtype
-    cos, sin = rope
-    rot = Rotary(cos[packed.positions].to(dtype), sin[packed.positions].to(dtype))
-    keep: dict[str, dict[int, list[torch.Tensor]]] = {
-        k: {lay: [] for lay in layers} for k in ("hidden", "cosine", "lens")
-    }
-    h = run_layers(model, packed, rot, layers, False, keep, False)
-    final = model.final_norm(h[packed.rows]) @ model.lm_head.weight.T  # [m, V]
-    return final.argmax(-1), {lay: v[0] for lay, v in keep["hidden"].items()}
+    hidden, final = exit_states(model, packed, rope, layers)
+    return (final @ model.lm_head.weight.T).argmax(-1), hidden  # logits [m, V]

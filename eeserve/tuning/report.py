@@ -361,7 +361,7 @@ def _variant_rows(r: dict[str, Any]) -> list[str]:
 
 
 def _curve_rows(curve: list[dict[str, Any]]) -> list[str]:
-    """The delta's training curve: its joint heads' held-out agreement against tokens seen."""
+    """The delta's training curve: its joint heads' held-out agreement against positions trained."""
     if not curve:
         return []
     layers = list(curve[0]["exit_agreement"])
@@ -371,7 +371,7 @@ def _curve_rows(curve: list[dict[str, Any]]) -> list[str]:
         "heads' argmax agreement with the variant's own final, and the variant's full depth "
         "with the original's.",
         "",
-        "| tokens | " + " | ".join(f"layer {x}" for x in layers) + " | full depth |",
+        "| positions | " + " | ".join(f"layer {x}" for x in layers) + " | full depth |",
         "|---:|" + "---:|" * (len(layers) + 1),
     ]
     for c in curve:
