@@ -21,7 +21,13 @@ from eeserve.config import EngineConfig
 from eeserve.engine_args import add_engine_args, engine_config
 from eeserve.exit_params import ExitParams
 from eeserve.kernels.native import load
-from eeserve.kernels.quant import GROUP_SIZE, Int8Linear, dequantize_int8, quantize_int8
+from eeserve.kernels.quant import (
+    GROUP_SIZE,
+    Int8Linear,
+    dequantize_int8,
+    quantize_int8,
+    round_activations,
+)
 from eeserve.models.llama import Rotary
 from tests.tiny_model import hf_greedy, hf_logprobs, load_hf
 
@@ -71,11 +77,24 @@ def test_int8_linear_equals_the_dequantized_matmul(
     w, b = torch.randn(out_features, in_features), torch.randn(out_features)
     x = torch.randn(rows, in_features).to(dtype)
     lin = Int8Linear(w, b, ops)
-    ref = F.linear(x.float(), _dequantized(w), b)
+    ref = F.linear(round_activations(x), _dequantized(w), b)
     out = lin(x)
     assert out.dtype == dtype and out.shape == (rows, out_features)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=0)
+    # Against unrounded activations: within the 16-bit rounding's bound (2^-16 of a chunk's max).
+    exact = F.linear(x.float(), _dequantized(w), b)
+    bound = (x.float().abs().max() * 2**-16 * _dequantized(w).abs().sum(1)).max().item()
+    assert (out.float() - exact).abs().max().item() <= bound + tol * exact.abs().max().item()
+
+
+def test_round_activations_keeps_16_bits_per_chunk() -> None:
+    x = torch.randn(3, 70) * torch.logspace(-3, 3, 70)  # chunks of very different magnitude
+    r = round_activations(x)
+    chunk_max = F.pad(x.abs(), (0, 26)).view(3, 3, 32).amax(2)
+    bound = chunk_max.repeat_interleave(32, dim=1)[:, :70] / 65534
+    assert torch.all((r - x).abs() <= bound * 1.001)
+    assert torch.equal(round_activations(torch.zeros(2, 40)), torch.zeros(2, 40))
 
 
 def _hf_dequantized(folder: Path):  # type: ignore[no-untyped-def]

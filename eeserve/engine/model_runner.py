@@ -23,6 +23,7 @@ from eeserve.engine.exit_loop import ExitBatch, ExitLoop, Passenger
 from eeserve.engine.sampler import Sampler, token_logprobs
 from eeserve.engine.sequence import Sequence
 from eeserve.engine.speculative import DRAFT_MAX_BATCH, SpecDecoder, SpecOutput
+from eeserve.kernels.fused import FusedDecoder
 from eeserve.kernels.native import load as load_native
 from eeserve.kernels.packing import (
     PackedLinear,
@@ -83,6 +84,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         native = load_native() if device.type == "cpu" and cpu_kernels else None
+        self.native = native
         self.kv = PagedKVCache(
             config.num_layers,
             num_blocks * block_size,
@@ -109,10 +111,13 @@ class ModelRunner:
             if exit_heads is not None:
                 quantize_linears(exit_heads, ops)
         elif can_pack(device, dtype, config.hidden_size):
-            pack_for_cpu(model)
-            self.lm_head = PackedLinear(model.lm_head.weight, None)
+            pack_for_cpu(model, native)
+            self.lm_head = PackedLinear(model.lm_head.weight, None, native)
             if exit_heads is not None:
-                pack_linears(exit_heads)
+                pack_linears(exit_heads, native)
+        # Whole layers in one kernel call for decode-only steps (None: not every projection is on
+        # the engine's kernels, e.g. bfloat16 through oneDNN, or no kernels).
+        self.fused = FusedDecoder.build(model, native) if dtype == torch.float32 else None
         self._debt_hidden: dict[int, dict[int, torch.Tensor]] = {}
         self.exit_policy = exit_policy
         self.kv_fill = kv_fill
@@ -125,7 +130,8 @@ class ModelRunner:
         """Speculative drafts over the first ``n`` token ids (0: the whole vocabulary)."""
         weight = self.model.lm_head.weight[:n].detach()
         packable = can_pack(self.device, self.dtype, self.config.hidden_size)
-        head = PackedLinear(weight, None) if packable else partial(F.linear, weight=weight)
+        dense = partial(F.linear, weight=weight)
+        head = PackedLinear(weight, None, self.native) if packable else dense
         self.exit_loop.draft_head = head if 0 < n < self.config.vocab_size else None  # type: ignore[assignment]
 
     # -- inputs ------------------------------------------------------------------------------
@@ -171,9 +177,17 @@ class ModelRunner:
         """Full-depth pass. Returns the final normed hidden states of ``last_rows`` [S, D]."""
         h = self.model.embed(batch.input_ids)
         rot = Rotary(self.cos[batch.positions], self.sin[batch.positions])
-        attn = partial(self.kv.attend, meta=batch.meta)
-        for layer in self.model.layers:
-            h = layer(h, rot, attn)
+        meta = batch.meta
+        if self.fused is not None and meta.rowwise and all(meta.rowwise):
+            assert meta.row_slots is not None and meta.row_lens is not None
+            h = self.fused.run(
+                h, rot.cos, rot.sin, self.kv.k, self.kv.v,
+                meta.slot_mapping, meta.row_slots, meta.row_lens,
+            )  # fmt: skip
+        else:
+            attn = partial(self.kv.attend, meta=meta)
+            for layer in self.model.layers:
+                h = layer(h, rot, attn)
         rows = batch.last_rows
         h_last = h[rows[0] :] if rows == list(range(rows[0], h.shape[0])) else h[rows]
         return self.model.final_norm(h_last), h.shape[0] * self.config.num_layers

@@ -26,7 +26,8 @@ import torch
 from eeserve.config import eeserve_home
 
 log = logging.getLogger(__name__)
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "int8_ops.cpp"))
+_CSRC = ("cpu_ops.cpp", "int8_ops.cpp", "f32_ops.cpp", "layer_ops.cpp")
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in _CSRC)
 _lock = threading.Lock()
 
 
@@ -71,6 +72,17 @@ class NativeOps:
         """x [M, K] float32/bfloat16; qweight int8 and scale [.., groups, 16] float32 in
         ``quant.pack_int8``'s layout; bias [N] float32 or None -> [M, N] in x's dtype."""
         return self.ops.int8_linear(x, qweight, scale, bias, out_features)  # type: ignore[no-any-return]
+
+    def decode_layer(self, *args: object) -> torch.Tensor:
+        """One whole decoder layer for decode rows; the arguments of ``csrc/layer_ops.cpp``."""
+        return self.ops.decode_layer(*args)  # type: ignore[no-any-return]
+
+    def f32_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        """x [M, K] float32; weight [2 * ceil(N / 32), K, 16] float32 in ``packing.pack_blocks``'s
+        layout; bias [N] float32 or None -> [M, N]."""
+        return self.ops.f32_linear(x, weight, bias, out_features)  # type: ignore[no-any-return]
 
 
 def _cpu_key() -> str:

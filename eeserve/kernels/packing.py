@@ -1,14 +1,17 @@
-"""CPU fast paths for a loaded model: oneDNN-packed projections and the engine's fused kernels.
+"""CPU fast paths for a loaded model: packed projections and the engine's fused kernels.
 
 Contract: ``use_native_ops(model, ops)`` routes every RMSNorm, rotary embedding and SwiGLU
 activation of the model through the engine's own kernels (``native``): same arithmetic, one pass
-each instead of several ATen ops. ``pack_for_cpu(model)`` replaces every projection of a loaded
-model by a ``PackedLinear`` holding the same weights in oneDNN's blocked layout (the dense copy is
+each instead of several ATen ops. ``pack_for_cpu(model, ops)`` replaces every projection of a
+loaded model by a ``PackedLinear`` holding the same weights in a kernel's layout (the dense copy is
 dropped, so memory does not grow), and gives each attention a packed K/V-only projection for the
-KV-debt ``fill`` strategy. Outputs equal ``F.linear`` up to float rounding. Why: PyTorch's default
-CPU matmul reads float32 weights at about half the memory bandwidth that the packed oneDNN kernels
-reach for the small row counts of decoding (measured with ``eeserve bench``); bfloat16 on CPUs with
-AVX512-BF16 likewise.
+KV-debt ``fill`` strategy. Outputs equal ``F.linear`` up to float rounding. Which kernel, measured
+on the 2-core AVX-512 machine with ``eeserve bench`` and per projection (docs/cpu-performance.md):
+float32 weights go to the engine's own kernel (``csrc/f32_ops.cpp``, blocks of 16 output channels)
+when ``ops`` is loaded: it read the default model's projections at 27-36 GB/s at one row where
+oneDNN's packed kernel read 15-35, and was faster at 8 to 256 rows too; bfloat16 weights (CPUs with
+AVX512-BF16), or float32 without the engine's kernels, go to oneDNN's blocked layout, which reads
+them at about twice the rate of PyTorch's default CPU matmul at decode's row counts.
 """
 
 from __future__ import annotations
@@ -19,16 +22,38 @@ from torch import nn
 from eeserve.kernels.native import NativeOps
 from eeserve.models.llama import LlamaForCausalLM, RMSNorm, Rotary
 
+# The engine kernels' layout: blocks of 16 output channels side by side, tiles of 2 such blocks.
+BLOCK, TILE = 16, 32
+
+
+def pack_blocks(t: torch.Tensor) -> torch.Tensor:
+    """[N, X] -> [2 * ceil(N / 32), X, 16]: each block of 16 rows (output channels) transposed so
+    that one column of the block is 16 consecutive values; zero rows past N."""
+    n, x = t.shape
+    padded = -(-n // TILE) * TILE
+    out = torch.zeros(padded, x, dtype=t.dtype, device=t.device)
+    out[:n] = t
+    return out.view(padded // BLOCK, BLOCK, x).transpose(1, 2).contiguous()
+
 
 class PackedLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, ops: NativeOps | None = None
+    ) -> None:
         super().__init__()
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach()
+        self.ops = ops if w.dtype == torch.float32 and w.device.type == "cpu" else None
         # Plain attributes, not buffers: ``state_dict`` of a packed model is not meant to be saved.
-        self.packed = weight.detach().contiguous().to_mkldnn()
+        self.packed = pack_blocks(w) if self.ops is not None else w.contiguous().to_mkldnn()
         self.bias = None if bias is None else bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            lead = x.shape[:-1]
+            x2 = x.reshape(-1, self.in_features)
+            y = self.ops.f32_linear(x2, self.packed, self.bias, self.out_features)
+            return y.view(*lead, self.out_features)
         # Dense in, dense out: no per-call layout conversion of the activations.
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
@@ -42,19 +67,20 @@ def can_pack(device: torch.device, dtype: torch.dtype, hidden_size: int) -> bool
     )
 
 
-def pack_for_cpu(model: LlamaForCausalLM) -> None:
+def pack_for_cpu(model: LlamaForCausalLM, ops: NativeOps | None) -> None:
     for layer in model.layers:
         attn = layer.self_attn
         w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
-        attn.kv_proj = PackedLinear(w[attn.q_size :], None if b is None else b[attn.q_size :])
-        attn.qkv_proj = PackedLinear(w, b)  # type: ignore[assignment]
-        attn.o_proj = PackedLinear(attn.o_proj.weight, None)  # type: ignore[assignment]
+        kv_bias = None if b is None else b[attn.q_size :]
+        attn.kv_proj = PackedLinear(w[attn.q_size :], kv_bias, ops)
+        attn.qkv_proj = PackedLinear(w, b, ops)  # type: ignore[assignment]
+        attn.o_proj = PackedLinear(attn.o_proj.weight, None, ops)  # type: ignore[assignment]
         mlp = layer.mlp
-        mlp.gate_up_proj = PackedLinear(mlp.gate_up_proj.weight, None)  # type: ignore[assignment]
-        mlp.down_proj = PackedLinear(mlp.down_proj.weight, None)  # type: ignore[assignment]
+        mlp.gate_up_proj = PackedLinear(mlp.gate_up_proj.weight, None, ops)  # type: ignore[assignment]
+        mlp.down_proj = PackedLinear(mlp.down_proj.weight, None, ops)  # type: ignore[assignment]
 
 
-def pack_linears(module: nn.Module, min_params: int = 1 << 19) -> None:
+def pack_linears(module: nn.Module, ops: NativeOps | None, min_params: int = 1 << 19) -> None:
     """Pack every ``nn.Linear`` of ``module`` (exit heads) with at least ``min_params`` weights.
 
     Smaller ones stay dense: for a 576x576 matrix one decode row was measured faster through
@@ -62,9 +88,9 @@ def pack_linears(module: nn.Module, min_params: int = 1 << 19) -> None:
     """
     for name, child in module.named_children():
         if isinstance(child, nn.Linear) and child.weight.numel() >= min_params:
-            setattr(module, name, PackedLinear(child.weight, child.bias))
+            setattr(module, name, PackedLinear(child.weight, child.bias, ops))
         else:
-            pack_linears(child, min_params)
+            pack_linears(child, ops, min_params)
 
 
 class NativeRMSNorm(nn.Module):

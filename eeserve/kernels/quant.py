@@ -4,10 +4,12 @@ Contract: ``quantize_int8(w)`` gives a symmetric int8 copy of a float weight [N,
 float32 scales [N, K / 32]: one scale per group of ``GROUP_SIZE`` = 32 consecutive inputs of each
 output channel (``w ~= q * scale`` group by group, |q| <= 127; an all-zero group gets scale 1; a
 layer whose K is not a multiple of 32 gets one scale per channel). ``Int8Linear`` computes
-``F.linear(x, dequantize_int8(q, scale), bias)`` with float activations (never quantised): through
-the engine's kernel (``csrc/int8_ops.cpp``, float32 sums over the int8 values, scaled once per
-group) when the CPU kernels are loaded, else by widening the int8 weight per call (correct
-everywhere, slow: a fallback, not a fast path). ``quantize_model(model, ops)`` replaces every
+``F.linear(round_activations(x), dequantize_int8(q, scale), bias)``: the activations are rounded
+to int16 per chunk of 32 inputs (``round_activations``: at most 2^-16 of the chunk's largest
+value, far below the weights' own rounding) so that the kernel (``csrc/int8_ops.cpp``) multiplies
+with VNNI integer dot products; without the kernel the same arithmetic runs through PyTorch by
+widening the int8 weight per call (correct everywhere, slow: a fallback, not a fast path).
+``quantize_model(model, ops)`` replaces every
 decoder projection (fused QKV, O, gate/up, down) and gives each attention an int8 K/V-only
 projection for the KV-debt ``fill`` strategy; ``quantize_linears(module, ops)`` does it for exit
 heads' large ``nn.Linear``\\ s. The dense float weights are dropped, except the embedding table,
@@ -26,10 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from eeserve.kernels.native import NativeOps
+from eeserve.kernels.packing import BLOCK, pack_blocks
 from eeserve.models.llama import LlamaForCausalLM
 
-# The kernel's layout: 16 output channels side by side per k, tiles of 2 such blocks.
-_BLOCK, _TILE = 16, 32
 # Inputs per scale (the module docstring gives the measurement behind it).
 GROUP_SIZE = 32
 
@@ -63,14 +64,25 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.float().view(n, groups, k // groups) * scale[:, :, None]).view(n, k)
 
 
-def pack_int8(t: torch.Tensor) -> torch.Tensor:
-    """[N, X] -> the kernel's layout [2 * ceil(N / 32), X, 16], zero channels past N (the int8
-    weight with X = K, its scales with X = groups)."""
-    n, x = t.shape
-    padded = -(-n // _TILE) * _TILE
-    out = torch.zeros(padded, x, dtype=t.dtype, device=t.device)
-    out[:n] = t
-    return out.view(padded // _BLOCK, _BLOCK, x).transpose(1, 2).contiguous()
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> float32 [M, K] holding what the kernel multiplies: each chunk of 32 inputs of
+    a row rounded to int16 with the scale amax / 32767 (the last chunk may be shorter)."""
+    m, k = x.shape
+    width = -(-k // GROUP_SIZE) * GROUP_SIZE
+    xp = F.pad(x.float(), (0, width - k)).view(m, width // GROUP_SIZE, GROUP_SIZE)
+    amax = xp.abs().amax(dim=2, keepdim=True)
+    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
+    q = torch.round((xp * inv).clamp_(-32767, 32767))
+    return (q * (amax / 32767.0)).view(m, width)[:, :k]
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the kernel's layout [2 * ceil(N / 32), Kp / 2, 16, 2], Kp = K rounded up
+    to 32, zero past N and K: per block of 16 channels, pairs of consecutive inputs side by side."""
+    k = q.shape[1]
+    width = -(-k // GROUP_SIZE) * GROUP_SIZE
+    blocks = pack_blocks(F.pad(q, (0, width - k)))  # [B, Kp, 16]
+    return blocks.view(blocks.shape[0], width // 2, 2, BLOCK).transpose(2, 3).contiguous()
 
 
 class Int8Linear(nn.Module):
@@ -93,7 +105,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else bias.detach().float().clone()
         # The kernel's layout when it is there; row-major weight and scales for the fallback.
         self.qweight = pack_int8(q) if ops is not None else q
-        self.scale = pack_int8(scale) if ops is not None else scale
+        self.scale = pack_blocks(scale) if ops is not None else scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -101,9 +113,9 @@ class Int8Linear(nn.Module):
         if self.ops is not None:
             y = self.ops.int8_linear(x2, self.qweight, self.scale, self.bias, self.out_features)
         else:
-            w = dequantize_int8(self.qweight, self.scale).to(x.dtype)
-            b = None if self.bias is None else self.bias.to(x.dtype)
-            y = F.linear(x2, w, b)
+            # The kernel's arithmetic, so that outputs do not depend on whether it was built.
+            w = dequantize_int8(self.qweight, self.scale)
+            y = F.linear(round_activations(x2), w, self.bias).to(x.dtype)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:

@@ -1,21 +1,25 @@
 // eeserve CPU kernel: weight-only int8 linear, y = x @ (w * scale[:, None])^T + bias.
 //
 // Contract: x [M, K] float32 or bfloat16; w the int8 weight [N, K] re-laid by
-// eeserve/kernels/quant.py as [2 * ceil(N / 32), K, 16] (16 output channels side by side per k,
-// zero past N); scale the float32 scales of groups of G = K / groups consecutive inputs, laid out
-// [2 * ceil(N / 32), groups, 16] the same way; bias [N] float32 or absent; n = N. Returns [M, N] in
-// x's dtype. Each group's sum runs in float32 over the exact int8 values and is scaled once, so the
-// result equals ``F.linear(x.float(), q.float() * scale_per_weight)`` up to float summation order:
-// the activations are never quantised. Registered as torch.ops.eeserve.int8_linear (native.py builds it with
-// cpu_ops.cpp).
+// eeserve/kernels/quant.py as [2 * ceil(N / 32), Kp / 2, 16, 2] (Kp = K rounded up to 32; per
+// block of 16 output channels, the pairs of consecutive inputs side by side; zero past N and K);
+// scale the float32 weight scales, [2 * ceil(N / 32), groups, 16] the same way, groups == Kp / 32
+// (a scale per 32 inputs) or 1 (per channel); bias [N] float32 or absent; n = N. Returns [M, N]
+// in x's dtype. Registered as torch.ops.eeserve.int8_linear (native.py builds it with cpu_ops.cpp).
 //
-// Why hand-written: decode is memory-bound at small row counts, and int8 weights are a quarter of
-// float32's bytes; PyTorch's own int8 weight-only matmul (aten._weight_int8pack_mm) has a vector
-// kernel for bfloat16 activations only. The layout makes one k step of a 16-channel block one
-// 16-byte load, widened to a float32 vector and multiplied by a broadcast activation: no horizontal
-// sums, and the widening is shared by up to MR activation rows (a register tile, like a GEMM
-// micro-kernel). AVX-512 where the compiler targets it (-march=native); elsewhere a plain loop over
-// the 16 lanes that the compiler vectorises for the machine (AVX2).
+// Arithmetic: each row of x is split into chunks of 32 inputs, and each chunk is rounded to int16
+// with its own scale (amax / 32767: a relative error of at most 2^-16 of the chunk's largest
+// value, ~250x finer than bfloat16 and far below the weights' own int8 rounding). A chunk's dot
+// products are exact int32 sums (32 * 127 * 32767 < 2^31), scaled once by weight scale times
+// activation scale and summed in float32. So the result is F.linear(x, q * scale) up to that
+// 16-bit rounding of x and float summation order.
+//
+// Why this arithmetic, measured on the 2-core AVX-512 machine (docs/cpu-performance.md): widening
+// each int8 weight to float32 for an FMA costs three vector instructions per 16 weights, so the
+// previous kernel ran at 10-13 GB/s of weights per core: compute-bound, below the memory bus.
+// With int16 activations one VNNI instruction (vpdpwssd) multiplies 32 weights, widened to int16
+// once for all rows of the tile. Without AVX-512 VNNI a plain loop does the same integer
+// arithmetic (the compiler vectorises it), so the result does not depend on the CPU.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,65 +28,95 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
-constexpr int64_t CB = 16;  // output channels per block of the packed layout
-constexpr int NV = 2;       // channel blocks per register tile (32 outputs)
-constexpr int MR = 12;      // activation rows per register tile: 2 * 12 accumulators + 2 weights
+constexpr int64_t CB = 16;     // output channels per block of the packed layout
+constexpr int NV = 2;          // channel blocks per register tile (32 outputs)
+constexpr int64_t CHUNK = 32;  // inputs per activation scale (and per weight group)
+constexpr int64_t PAIRS = CHUNK / 2;
+// Bytes ahead of the current chunk that each block's next weights are prefetched from: 2 KB was
+// 15% faster at 1 row and 30-45% at 8 rows than the hardware prefetcher alone (0, 512 B-8 KB tried).
+constexpr int64_t PF = 2048;
+constexpr int MR = 6;  // rows per tile: 2 * 6 int32 + 2 * 6 float accumulators + 2 weights
 
-// out[m][v*16 + c] = sum_g scale[v][g][c] * sum_{k in group g} x[m, k] * w[v][k][c] for MRT rows
-// and NV channel blocks. x rows are K apart; w points at NV consecutive blocks of [K, 16]; sc at
-// their scales, [NV][groups][16]; each group is G consecutive k (G * groups == K).
+// Row m of x -> xq[m] (int16, Kp) and xs[m] (one scale per chunk of 32; zero past K).
+void quantize_row(const float* x, int64_t K, int64_t Kp, int16_t* xq, float* xs) {
+  for (int64_t c = 0; c < Kp / CHUNK; ++c) {
+    const int64_t k0 = c * CHUNK, k1 = std::min(K, k0 + CHUNK);
+    float amax = 0.f;
+    for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(x[k]));
+    const float s = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+    xs[c] = s;
+    for (int64_t k = k0; k < k1; ++k)
+      xq[k] = static_cast<int16_t>(std::nearbyint(std::min(32767.f, std::max(-32767.f, x[k] * inv))));
+    for (int64_t k = std::max(k0, k1); k < k0 + CHUNK; ++k) xq[k] = 0;
+  }
+}
+
+struct Args {
+  const int16_t* xq;  // [M, Kp]
+  const float* xs;    // [M, Kp / 32]
+  const int8_t* w;    // [blocks, Kp / 2, 16, 2]
+  const float* scale; // [blocks, groups, 16]
+  const float* bias;
+  float* y;
+  int64_t M, Kp, N, groups;
+};
+
+// out[m][v*16 + c] for MRT rows from m0 and the NV channel blocks from n0.
 template <int MRT>
-inline void tile(const float* x, int64_t K, const int8_t* w, const float* sc, int64_t G,
-                 float out[MRT][NV * CB]) {
-  const int64_t groups = K / G;
-#if defined(__AVX512F__)
-  // Few rows leave too few independent FMA chains to hide their latency: then S accumulator sets
-  // take turns over k and are summed at the end of each group.
+inline void tile(const Args& a, int64_t m0, int64_t n0, float out[MRT][NV * CB]) {
+  const int64_t Kp = a.Kp, chunks = Kp / CHUNK, blk_bytes = Kp * CB;
+  const int8_t* w = a.w + n0 * Kp;                 // NV blocks of Kp * 16 bytes
+  const float* sc = a.scale + n0 * a.groups;       // NV blocks of groups * 16 scales
+  const int16_t* xq = a.xq + m0 * Kp;
+  const float* xs = a.xs + m0 * chunks;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  // Few rows leave too few independent accumulation chains to hide vpdpwssd's latency: then S
+  // accumulator sets take turns over the chunk's pairs and are summed at its end.
   constexpr int S = MRT == 1 ? 4 : (MRT == 2 ? 2 : 1);
   __m512 total[MRT][NV];
   for (int m = 0; m < MRT; ++m)
     for (int v = 0; v < NV; ++v) total[m][v] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 acc[S][MRT][NV];
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i acc[S][MRT][NV];
     for (int s = 0; s < S; ++s)
       for (int m = 0; m < MRT; ++m)
-        for (int v = 0; v < NV; ++v) acc[s][m][v] = _mm512_setzero_ps();
-    const int64_t k_end = (g + 1) * G;
-    int64_t k = g * G;
-    for (; k + S <= k_end; k += S) {
+        for (int v = 0; v < NV; ++v) acc[s][m][v] = _mm512_setzero_si512();
+    const int64_t p0 = c * PAIRS;
+    for (int v = 0; v < NV; ++v)  // a later chunk of both blocks: hide the DRAM latency
+      for (int64_t ahead = PF; ahead < PF + PAIRS * 2 * CB; ahead += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w + v * blk_bytes + p0 * 2 * CB + ahead), _MM_HINT_T0);
+    for (int64_t p = 0; p < PAIRS; p += S) {
 #pragma GCC unroll 4
       for (int s = 0; s < S; ++s) {
-        __m512 wv[NV];
+        __m512i wv[NV];
 #pragma GCC unroll 2
-        for (int v = 0; v < NV; ++v) {
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (v * K + k + s) * CB));
-          wv[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-        }
-#pragma GCC unroll 12
+        for (int v = 0; v < NV; ++v)
+          wv[v] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(w + v * blk_bytes + (p0 + p + s) * 2 * CB)));
+#pragma GCC unroll 6
         for (int m = 0; m < MRT; ++m) {
-          const __m512 xv = _mm512_set1_ps(x[m * K + k + s]);
+          int32_t pair;
+          std::memcpy(&pair, xq + m * Kp + (p0 + p + s) * 2, sizeof pair);
+          const __m512i xv = _mm512_set1_epi32(pair);
 #pragma GCC unroll 2
-          for (int v = 0; v < NV; ++v) acc[s][m][v] = _mm512_fmadd_ps(xv, wv[v], acc[s][m][v]);
+          for (int v = 0; v < NV; ++v) acc[s][m][v] = _mm512_dpwssd_epi32(acc[s][m][v], wv[v], xv);
         }
       }
     }
-    for (; k < k_end; ++k)  // S > 1 only: the group's last G % S steps
-      for (int v = 0; v < NV; ++v) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (v * K + k) * CB));
-        const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-        for (int m = 0; m < MRT; ++m)
-          acc[0][m][v] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), wv, acc[0][m][v]);
-      }
+    const int64_t g = a.groups == 1 ? 0 : c;
     for (int v = 0; v < NV; ++v) {
-      const __m512 scv = _mm512_loadu_ps(sc + (v * groups + g) * CB);
+      const __m512 swv = _mm512_loadu_ps(sc + (v * a.groups + g) * CB);
       for (int m = 0; m < MRT; ++m) {
-        __m512 sum = acc[0][m][v];
-        for (int s = 1; s < S; ++s) sum = _mm512_add_ps(sum, acc[s][m][v]);
-        total[m][v] = _mm512_fmadd_ps(sum, scv, total[m][v]);
+        __m512i sum = acc[0][m][v];
+        for (int s = 1; s < S; ++s) sum = _mm512_add_epi32(sum, acc[s][m][v]);
+        const __m512 f = _mm512_mul_ps(swv, _mm512_set1_ps(xs[m * chunks + c]));
+        total[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, total[m][v]);
       }
     }
   }
@@ -90,43 +124,37 @@ inline void tile(const float* x, int64_t K, const int8_t* w, const float* sc, in
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out[m] + v * CB, total[m][v]);
 #else
   for (int m = 0; m < MRT; ++m)
-    for (int c = 0; c < NV * CB; ++c) out[m][c] = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    float acc[MRT][NV * CB] = {};
-    for (int64_t k = g * G; k < (g + 1) * G; ++k)
+    for (int i = 0; i < NV * CB; ++i) out[m][i] = 0.f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    int32_t acc[MRT][NV * CB] = {};
+    for (int64_t p = c * PAIRS; p < (c + 1) * PAIRS; ++p)
       for (int m = 0; m < MRT; ++m) {
-        const float xk = x[m * K + k];
+        const int32_t x0 = xq[m * Kp + 2 * p], x1 = xq[m * Kp + 2 * p + 1];
         for (int v = 0; v < NV; ++v)
-          for (int c = 0; c < CB; ++c)
-            acc[m][v * CB + c] += xk * static_cast<float>(w[(v * K + k) * CB + c]);
+          for (int i = 0; i < CB; ++i) {
+            const int8_t* wp = w + v * blk_bytes + (p * CB + i) * 2;
+            acc[m][v * CB + i] += x0 * wp[0] + x1 * wp[1];
+          }
       }
+    const int64_t g = a.groups == 1 ? 0 : c;
     for (int m = 0; m < MRT; ++m)
       for (int v = 0; v < NV; ++v)
-        for (int c = 0; c < CB; ++c)
-          out[m][v * CB + c] += acc[m][v * CB + c] * sc[(v * groups + g) * CB + c];
+        for (int i = 0; i < CB; ++i)
+          out[m][v * CB + i] += static_cast<float>(acc[m][v * CB + i]) *
+                                (sc[(v * a.groups + g) * CB + i] * xs[m * chunks + c]);
   }
 #endif
 }
-
-struct Args {
-  const float* x;
-  const int8_t* w;
-  const float* scale;  // [blocks, groups, 16]
-  const float* bias;
-  float* y;
-  int64_t M, K, N, G;
-};
 
 // Rows m0..m0+MRT against output channels n0..n0+32 (clipped to N on store).
 template <int MRT>
 inline void rows_tile(const Args& a, int64_t m0, int64_t n0) {
   float out[MRT][NV * CB];
-  tile<MRT>(a.x + m0 * a.K, a.K, a.w + n0 * a.K, a.scale + n0 * (a.K / a.G), a.G, out);
+  tile<MRT>(a, m0, n0, out);
   const int64_t n_end = std::min<int64_t>(n0 + NV * CB, a.N);
   for (int m = 0; m < MRT; ++m) {
     float* y = a.y + (m0 + m) * a.N;
-    for (int64_t n = n0; n < n_end; ++n)
-      y[n] = out[m][n - n0] + (a.bias ? a.bias[n] : 0.f);
+    for (int64_t n = n0; n < n_end; ++n) y[n] = out[m][n - n0] + (a.bias ? a.bias[n] : 0.f);
   }
 }
 
@@ -147,23 +175,29 @@ void channel_tile(const Args& a, int64_t n0) {
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == CB && x.size(1) == w.size(1),
-              "int8_linear: x [M, K], w [blocks, K, 16]");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 4 && w.size(2) == CB && w.size(3) == 2,
+              "int8_linear: x [M, K], w [blocks, Kp / 2, 16, 2]");
   TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous(), "int8_linear: w must be contiguous int8");
-  const int64_t N = n, K = x.size(1);
+  const int64_t N = n, K = x.size(1), Kp = (K + CHUNK - 1) / CHUNK * CHUNK;
+  TORCH_CHECK(w.size(1) * 2 == Kp, "int8_linear: w holds ", w.size(1) * 2, " inputs, x ", K);
   TORCH_CHECK(N > 0 && w.size(0) == (N + NV * CB - 1) / (NV * CB) * NV,
-              "int8_linear: w [2 * ceil(N / 32), K, 16]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 3 && scale.size(0) == w.size(0) &&
-                  scale.size(2) == CB && scale.size(1) > 0 && K % scale.size(1) == 0,
-              "int8_linear: scale [blocks, groups, 16] float32 with groups dividing K");
+              "int8_linear: w [2 * ceil(N / 32), Kp / 2, 16, 2]");
+  const int64_t groups = scale.dim() == 3 ? scale.size(1) : 0;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && groups > 0 && scale.size(0) == w.size(0) &&
+                  scale.size(2) == CB && (groups == 1 || (groups * CHUNK == K)),
+              "int8_linear: scale [blocks, groups, 16] float32, groups 1 or K / 32");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor sc = scale.contiguous();
   const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const int64_t M = x.size(0);
+  at::Tensor xq = at::empty({M, Kp}, xf.options().dtype(at::kShort));
+  at::Tensor xs = at::empty({M, Kp / CHUNK}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)  // M * K values: small next to the weights
+    quantize_row(xp + m * K, K, Kp, xq.data_ptr<int16_t>() + m * Kp, xs.data_ptr<float>() + m * (Kp / CHUNK));
   at::Tensor y = at::empty({M, N}, xf.options());
-  const Args a{xf.data_ptr<float>(), w.data_ptr<int8_t>(), sc.data_ptr<float>(),
-               b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N,
-               K / scale.size(1)};
+  const Args a{xq.data_ptr<int16_t>(), xs.data_ptr<float>(), w.data_ptr<int8_t>(), sc.data_ptr<float>(),
+               b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, Kp, N, groups};
   const int64_t tiles = w.size(0) / NV;
   at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) channel_tile(a, t * NV * CB);

@@ -1,0 +1,100 @@
+"""Whole decoder layers in one kernel call (``kernels.fused``) equal the module path exactly."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
+from eeserve.kernels.fused import FusedDecoder
+from eeserve.kernels.native import NativeOps, load
+from eeserve.kernels.packing import pack_for_cpu, use_native_ops
+from eeserve.kernels.quant import quantize_model
+from eeserve.models.config import ModelConfig, rope_tables
+from eeserve.models.llama import LlamaForCausalLM, Rotary
+
+CFG = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+    attention_bias=True,  # the fused QKV's bias goes through too
+)
+
+
+@pytest.fixture(scope="module")
+def ops() -> NativeOps:
+    native = load()
+    if native is None:
+        pytest.skip("CPU kernels unavailable")
+    return native
+
+
+def _model(ops: NativeOps, kind: str) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CFG)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    use_native_ops(model, ops)
+    if kind == "int8":
+        quantize_model(model, ops)
+    else:
+        pack_for_cpu(model, ops)
+    return model
+
+
+def _cache(ops: NativeOps) -> PagedKVCache:
+    kv = PagedKVCache(CFG.num_layers, 64, CFG.num_kv_heads, CFG.head_dim, torch.float32,
+                      torch.device("cpu"), ops)  # fmt: skip
+    torch.manual_seed(1)
+    kv.k.normal_()
+    kv.v.normal_()
+    return kv
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+def test_fused_layers_equal_the_module_path(ops: NativeOps, kind: str) -> None:
+    model = _model(ops, kind)
+    fused = FusedDecoder.build(model, ops)
+    assert fused is not None
+    # Two decode rows: positions 5 and 9 of sequences whose contexts sit at slots 0.. and 40..
+    spans = [
+        SeqSpan([0], [5], torch.arange(0, 6), False),
+        SeqSpan([1], [9], torch.arange(40, 50), False),
+    ]
+    meta = AttnMeta.build(spans, torch.tensor([5, 49]))
+    assert meta.rowwise == [True, True] and meta.row_slots is not None
+    cos, sin = rope_tables(CFG, 16)
+    pos = torch.tensor([5, 9])
+    h = torch.randn(2, CFG.hidden_size)
+    ref_kv, got_kv = _cache(ops), _cache(ops)
+    with torch.inference_mode():
+        ref = h
+        for layer in model.layers:
+            ref = layer(ref, Rotary(cos[pos], sin[pos]), partial(ref_kv.attend, meta=meta))
+        got = fused.run(h, cos[pos], sin[pos], got_kv.k, got_kv.v, meta.slot_mapping,
+                        meta.row_slots, meta.row_lens)  # fmt: skip
+        part = fused.run(h, cos[pos], sin[pos], _cache(ops).k, _cache(ops).v, meta.slot_mapping,
+                         meta.row_slots, meta.row_lens, start=0, end=2)  # fmt: skip
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6 * ref.abs().max().item())
+    torch.testing.assert_close(got_kv.k, ref_kv.k, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_kv.v, ref_kv.v, rtol=0, atol=1e-6)
+    assert not torch.equal(part, got)  # a layer range stops where asked
+
+
+def test_no_fused_decoder_without_the_engine_kernels(ops: NativeOps) -> None:
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(CFG)  # dense nn.Linear projections, PyTorch norms
+    assert FusedDecoder.build(plain, ops) is None
+    assert FusedDecoder.build(_model(ops, "float32"), None) is None
