@@ -115,14 +115,14 @@ class ModelRunner:
             self.lm_head = PackedLinear(model.lm_head.weight, None, native)
             if exit_heads is not None:
                 pack_linears(exit_heads, native)
-        # Whole layers in one kernel call for decode-only steps (None: not every projection is on
-        # the engine's kernels, e.g. bfloat16 through oneDNN, or no kernels).
-        self.fused = FusedDecoder.build(model, native) if dtype == torch.float32 else None
         self._debt_hidden: dict[int, dict[int, torch.Tensor]] = {}
         self.exit_policy = exit_policy
         self.kv_fill = kv_fill
         shared = exit_config is None or exit_config.head == "shared"
-        self.exit_loop = ExitLoop(model, self.kv, self.lm_head, exit_heads, shared)
+        # Whole layers in one kernel call for decode-only steps (None: not every projection is on
+        # the engine's kernels, e.g. bfloat16 through oneDNN, or no kernels).
+        fused = FusedDecoder.build(model, native) if dtype == torch.float32 else None
+        self.exit_loop = ExitLoop(model, self.kv, self.lm_head, exit_heads, shared, fused)
         if exit_config is not None and 0 < exit_config.draft_vocab < config.vocab_size:
             self.set_draft_vocab(exit_config.draft_vocab)
 
@@ -177,17 +177,7 @@ class ModelRunner:
         """Full-depth pass. Returns the final normed hidden states of ``last_rows`` [S, D]."""
         h = self.model.embed(batch.input_ids)
         rot = Rotary(self.cos[batch.positions], self.sin[batch.positions])
-        meta = batch.meta
-        if self.fused is not None and meta.rowwise and all(meta.rowwise):
-            assert meta.row_slots is not None and meta.row_lens is not None
-            h = self.fused.run(
-                h, rot.cos, rot.sin, self.kv.k, self.kv.v,
-                meta.slot_mapping, meta.row_slots, meta.row_lens,
-            )  # fmt: skip
-        else:
-            attn = partial(self.kv.attend, meta=meta)
-            for layer in self.model.layers:
-                h = layer(h, rot, attn)
+        h = self.exit_loop.layers(h, rot, batch.meta, 0, self.config.num_layers)
         rows = batch.last_rows
         h_last = h[rows[0] :] if rows == list(range(rows[0], h.shape[0])) else h[rows]
         return self.model.final_norm(h_last), h.shape[0] * self.config.num_layers

@@ -62,7 +62,9 @@ class FusedDecoder:
             projs = [_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj)]
             projs.append(_projection(mlp.down_proj))
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(p is None for p in projs) or not all(isinstance(n, NativeRMSNorm) for n in norms):
+            if any(p is None for p in projs) or not all(
+                isinstance(n, NativeRMSNorm) for n in norms
+            ):
                 return None
             qkv, o, gate_up, down = projs
             assert qkv is not None and o is not None and gate_up is not None and down is not None
