@@ -26,8 +26,11 @@ import torch
 from eeserve.config import eeserve_home
 
 log = logging.getLogger(__name__)
-_CSRC = ("cpu_ops.cpp", "int8_ops.cpp", "f32_ops.cpp", "layer_ops.cpp")
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in _CSRC)
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(
+    _CSRC / name for name in ("cpu_ops.cpp", "int8_ops.cpp", "f32_ops.cpp", "layer_ops.cpp")
+)
+HEADERS = (_CSRC / "tile_loop.h",)
 _lock = threading.Lock()
 
 
@@ -96,7 +99,8 @@ def _cpu_key() -> str:
     except OSError:
         pass
     h = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), torch.__version__.encode(), cpu.encode()):
+    code = (s.read_bytes() for s in (*SOURCES, *HEADERS))
+    for part in (*code, torch.__version__.encode(), cpu.encode()):
         h.update(part)
     return h.hexdigest()[:16]
 

@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "tile_loop.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -24,10 +26,10 @@ namespace {
 
 constexpr int64_t CB = 16;  // output channels per block of the packed layout
 constexpr int NV = 2;       // channel blocks per register tile (32 outputs)
-constexpr int MR = 12;      // rows per tile: 2 * 12 accumulators + 2 weights
+constexpr int ROWS = 12;      // rows per tile: 2 * 12 accumulators + 2 weights
 constexpr int64_t PF = 2048;  // bytes ahead of the current input that each block is prefetched
 
-struct Args {
+struct LinearArgs {
   const float* x;  // [M, K]
   const float* w;  // [blocks, K, 16]
   const float* bias;
@@ -35,78 +37,66 @@ struct Args {
   int64_t M, K, N;
 };
 
-template <int MRT>
-inline void tile(const Args& a, int64_t m0, int64_t n0, float out[MRT][NV * CB]) {
-  const int64_t K = a.K;
-  const float* w = a.w + n0 * K;  // NV blocks of [K, 16]
-  const float* x = a.x + m0 * K;
+// The register tile that tile_loop.h runs over rows and channels: out[m][v*16 + c] for MRT
+// rows from m0 and the NV channel blocks from n0.
+struct Kernel {
+  using Args = LinearArgs;
+  static constexpr int MR = ROWS;
+
+  template <int MRT>
+  static void tile(const Args& a, int64_t m0, int64_t n0, float out[MRT][NV * CB]) {
+    const int64_t K = a.K;
+    const float* w = a.w + n0 * K;  // NV blocks of [K, 16]
+    const float* x = a.x + m0 * K;
 #if defined(__AVX512F__)
-  // Few rows leave too few independent FMA chains to hide their latency: then S accumulator
-  // sets take turns over k and are summed at the end.
-  constexpr int S = MRT == 1 ? 4 : (MRT == 2 ? 2 : 1);
-  __m512 acc[S][MRT][NV];
-  for (int s = 0; s < S; ++s)
-    for (int m = 0; m < MRT; ++m)
-      for (int v = 0; v < NV; ++v) acc[s][m][v] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + S <= K; k += S) {
-#pragma GCC unroll 4
-    for (int s = 0; s < S; ++s) {
-      __m512 wv[NV];
-      for (int v = 0; v < NV; ++v) {
-        const float* wk = w + (v * K + k + s) * CB;  // one cache line per input and block
-        _mm_prefetch(reinterpret_cast<const char*>(wk) + PF, _MM_HINT_T0);
-        wv[v] = _mm512_loadu_ps(wk);
-      }
-#pragma GCC unroll 12
-      for (int m = 0; m < MRT; ++m) {
-        const __m512 xv = _mm512_set1_ps(x[m * K + k + s]);
-        for (int v = 0; v < NV; ++v) acc[s][m][v] = _mm512_fmadd_ps(xv, wv[v], acc[s][m][v]);
-      }
-    }
-  }
-  for (; k < K; ++k)
-    for (int v = 0; v < NV; ++v) {
-      const __m512 wv = _mm512_loadu_ps(w + (v * K + k) * CB);
+    // Few rows leave too few independent FMA chains to hide their latency: then S accumulator
+    // sets take turns over k and are summed at the end.
+    constexpr int S = MRT == 1 ? 4 : (MRT == 2 ? 2 : 1);
+    __m512 acc[S][MRT][NV];
+    for (int s = 0; s < S; ++s)
       for (int m = 0; m < MRT; ++m)
-        acc[0][m][v] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), wv, acc[0][m][v]);
+        for (int v = 0; v < NV; ++v) acc[s][m][v] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + S <= K; k += S) {
+#pragma GCC unroll 4
+      for (int s = 0; s < S; ++s) {
+        __m512 wv[NV];
+        for (int v = 0; v < NV; ++v) {
+          const float* wk = w + (v * K + k + s) * CB;  // one cache line per input and block
+          _mm_prefetch(reinterpret_cast<const char*>(wk) + PF, _MM_HINT_T0);
+          wv[v] = _mm512_loadu_ps(wk);
+        }
+#pragma GCC unroll 12
+        for (int m = 0; m < MRT; ++m) {
+          const __m512 xv = _mm512_set1_ps(x[m * K + k + s]);
+          for (int v = 0; v < NV; ++v) acc[s][m][v] = _mm512_fmadd_ps(xv, wv[v], acc[s][m][v]);
+        }
+      }
     }
-  for (int m = 0; m < MRT; ++m)
-    for (int v = 0; v < NV; ++v) {
-      __m512 sum = acc[0][m][v];
-      for (int s = 1; s < S; ++s) sum = _mm512_add_ps(sum, acc[s][m][v]);
-      _mm512_storeu_ps(out[m] + v * CB, sum);
-    }
+    for (; k < K; ++k)
+      for (int v = 0; v < NV; ++v) {
+        const __m512 wv = _mm512_loadu_ps(w + (v * K + k) * CB);
+        for (int m = 0; m < MRT; ++m)
+          acc[0][m][v] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), wv, acc[0][m][v]);
+      }
+    for (int m = 0; m < MRT; ++m)
+      for (int v = 0; v < NV; ++v) {
+        __m512 sum = acc[0][m][v];
+        for (int s = 1; s < S; ++s) sum = _mm512_add_ps(sum, acc[s][m][v]);
+        _mm512_storeu_ps(out[m] + v * CB, sum);
+      }
 #else
-  for (int m = 0; m < MRT; ++m)
-    for (int i = 0; i < NV * CB; ++i) out[m][i] = 0.f;
-  for (int64_t k = 0; k < K; ++k)
-    for (int m = 0; m < MRT; ++m) {
-      const float xk = x[m * K + k];
-      for (int v = 0; v < NV; ++v)
-        for (int i = 0; i < CB; ++i) out[m][v * CB + i] += xk * w[(v * K + k) * CB + i];
-    }
+    for (int m = 0; m < MRT; ++m)
+      for (int i = 0; i < NV * CB; ++i) out[m][i] = 0.f;
+    for (int64_t k = 0; k < K; ++k)
+      for (int m = 0; m < MRT; ++m) {
+        const float xk = x[m * K + k];
+        for (int v = 0; v < NV; ++v)
+          for (int i = 0; i < CB; ++i) out[m][v * CB + i] += xk * w[(v * K + k) * CB + i];
+      }
 #endif
-}
-
-template <int MRT>
-inline void rows_tile(const Args& a, int64_t m0, int64_t n0) {
-  float out[MRT][NV * CB];
-  tile<MRT>(a, m0, n0, out);
-  const int64_t n_end = std::min<int64_t>(n0 + NV * CB, a.N);
-  for (int m = 0; m < MRT; ++m) {
-    float* y = a.y + (m0 + m) * a.N;
-    for (int64_t n = n0; n < n_end; ++n) y[n] = out[m][n - n0] + (a.bias ? a.bias[n] : 0.f);
   }
-}
-
-template <int R>
-inline void rows_rest(const Args& a, int64_t m0, int64_t rows, int64_t n0) {
-  if constexpr (R > 0) {
-    if (rows == R) return rows_tile<R>(a, m0, n0);
-    rows_rest<R - 1>(a, m0, rows, n0);
-  }
-}
+};
 
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                       int64_t n) {
@@ -119,14 +109,10 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const c10::optio
   const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, n}, xc.options());
-  const Args a{xc.data_ptr<float>(), w.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
+  const LinearArgs a{xc.data_ptr<float>(), w.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
                y.data_ptr<float>(), M, K, n};
   at::parallel_for(0, w.size(0) / NV, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      int64_t m = 0;
-      for (; m + MR <= M; m += MR) rows_tile<MR>(a, m, t * NV * CB);
-      if (m < M) rows_rest<MR - 1>(a, m, M - m, t * NV * CB);
-    }
+    for (int64_t t = lo; t < hi; ++t) eeserve_tiles::channel_tile<Kernel>(a, t * NV * CB);
   });
   return y;
 }

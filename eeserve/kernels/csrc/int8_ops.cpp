@@ -25,6 +25,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "tile_loop.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -41,7 +43,7 @@ constexpr int64_t PAIRS = CHUNK / 2;
 // Bytes ahead of the current chunk that each block's next weights are prefetched from: 2 KB was
 // 15% faster at 1 row and 30-45% at 8 rows than the hardware prefetcher alone (0, 512 B-8 KB tried).
 constexpr int64_t PF = 2048;
-constexpr int MR = 6;  // rows per tile: 2 * 6 int32 + 2 * 6 float accumulators + 2 weights
+constexpr int ROWS = 6;  // rows per tile: 2 * 6 int32 + 2 * 6 float accumulators + 2 weights
 
 // Row m of x -> xq[m] (int16, Kp) and xs[m] (one scale per chunk of 32; zero past K).
 void quantize_row(const float* x, int64_t K, int64_t Kp, int16_t* xq, float* xs) {
@@ -57,7 +59,7 @@ void quantize_row(const float* x, int64_t K, int64_t Kp, int16_t* xq, float* xs)
   }
 }
 
-struct Args {
+struct LinearArgs {
   const int16_t* xq;  // [M, Kp]
   const float* xs;    // [M, Kp / 32]
   const int8_t* w;    // [blocks, Kp / 2, 16, 2]
@@ -67,111 +69,90 @@ struct Args {
   int64_t M, Kp, N, groups;
 };
 
-// out[m][v*16 + c] for MRT rows from m0 and the NV channel blocks from n0.
-template <int MRT>
-inline void tile(const Args& a, int64_t m0, int64_t n0, float out[MRT][NV * CB]) {
-  const int64_t Kp = a.Kp, chunks = Kp / CHUNK, blk_bytes = Kp * CB;
-  const int8_t* w = a.w + n0 * Kp;                 // NV blocks of Kp * 16 bytes
-  const float* sc = a.scale + n0 * a.groups;       // NV blocks of groups * 16 scales
-  const int16_t* xq = a.xq + m0 * Kp;
-  const float* xs = a.xs + m0 * chunks;
+// The register tile that tile_loop.h runs over rows and channels: out[m][v*16 + c] for MRT
+// rows from m0 and the NV channel blocks from n0.
+struct Kernel {
+  using Args = LinearArgs;
+  static constexpr int MR = ROWS;
+
+  template <int MRT>
+  static void tile(const Args& a, int64_t m0, int64_t n0, float out[MRT][NV * CB]) {
+    const int64_t Kp = a.Kp, chunks = Kp / CHUNK, blk_bytes = Kp * CB;
+    const int8_t* w = a.w + n0 * Kp;                 // NV blocks of Kp * 16 bytes
+    const float* sc = a.scale + n0 * a.groups;       // NV blocks of groups * 16 scales
+    const int16_t* xq = a.xq + m0 * Kp;
+    const float* xs = a.xs + m0 * chunks;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  // Few rows leave too few independent accumulation chains to hide vpdpwssd's latency: then S
-  // accumulator sets take turns over the chunk's pairs and are summed at its end.
-  constexpr int S = MRT == 1 ? 4 : (MRT == 2 ? 2 : 1);
-  __m512 total[MRT][NV];
-  for (int m = 0; m < MRT; ++m)
-    for (int v = 0; v < NV; ++v) total[m][v] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    __m512i acc[S][MRT][NV];
-    for (int s = 0; s < S; ++s)
-      for (int m = 0; m < MRT; ++m)
-        for (int v = 0; v < NV; ++v) acc[s][m][v] = _mm512_setzero_si512();
-    const int64_t p0 = c * PAIRS;
-    for (int v = 0; v < NV; ++v)  // a later chunk of both blocks: hide the DRAM latency
-      for (int64_t ahead = PF; ahead < PF + PAIRS * 2 * CB; ahead += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w + v * blk_bytes + p0 * 2 * CB + ahead), _MM_HINT_T0);
-    for (int64_t p = 0; p < PAIRS; p += S) {
+    // Few rows leave too few independent accumulation chains to hide vpdpwssd's latency: then S
+    // accumulator sets take turns over the chunk's pairs and are summed at its end.
+    constexpr int S = MRT == 1 ? 4 : (MRT == 2 ? 2 : 1);
+    __m512 total[MRT][NV];
+    for (int m = 0; m < MRT; ++m)
+      for (int v = 0; v < NV; ++v) total[m][v] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m512i acc[S][MRT][NV];
+      for (int s = 0; s < S; ++s)
+        for (int m = 0; m < MRT; ++m)
+          for (int v = 0; v < NV; ++v) acc[s][m][v] = _mm512_setzero_si512();
+      const int64_t p0 = c * PAIRS;
+      for (int v = 0; v < NV; ++v)  // a later chunk of both blocks: hide the DRAM latency
+        for (int64_t ahead = PF; ahead < PF + PAIRS * 2 * CB; ahead += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w + v * blk_bytes + p0 * 2 * CB + ahead), _MM_HINT_T0);
+      for (int64_t p = 0; p < PAIRS; p += S) {
 #pragma GCC unroll 4
-      for (int s = 0; s < S; ++s) {
-        __m512i wv[NV];
+        for (int s = 0; s < S; ++s) {
+          __m512i wv[NV];
 #pragma GCC unroll 2
-        for (int v = 0; v < NV; ++v)
-          wv[v] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(w + v * blk_bytes + (p0 + p + s) * 2 * CB)));
+          for (int v = 0; v < NV; ++v)
+            wv[v] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(w + v * blk_bytes + (p0 + p + s) * 2 * CB)));
 #pragma GCC unroll 6
-        for (int m = 0; m < MRT; ++m) {
-          int32_t pair;
-          std::memcpy(&pair, xq + m * Kp + (p0 + p + s) * 2, sizeof pair);
-          const __m512i xv = _mm512_set1_epi32(pair);
+          for (int m = 0; m < MRT; ++m) {
+            int32_t pair;
+            std::memcpy(&pair, xq + m * Kp + (p0 + p + s) * 2, sizeof pair);
+            const __m512i xv = _mm512_set1_epi32(pair);
 #pragma GCC unroll 2
-          for (int v = 0; v < NV; ++v) acc[s][m][v] = _mm512_dpwssd_epi32(acc[s][m][v], wv[v], xv);
+            for (int v = 0; v < NV; ++v) acc[s][m][v] = _mm512_dpwssd_epi32(acc[s][m][v], wv[v], xv);
+          }
+        }
+      }
+      const int64_t g = a.groups == 1 ? 0 : c;
+      for (int v = 0; v < NV; ++v) {
+        const __m512 swv = _mm512_loadu_ps(sc + (v * a.groups + g) * CB);
+        for (int m = 0; m < MRT; ++m) {
+          __m512i sum = acc[0][m][v];
+          for (int s = 1; s < S; ++s) sum = _mm512_add_epi32(sum, acc[s][m][v]);
+          const __m512 f = _mm512_mul_ps(swv, _mm512_set1_ps(xs[m * chunks + c]));
+          total[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, total[m][v]);
         }
       }
     }
-    const int64_t g = a.groups == 1 ? 0 : c;
-    for (int v = 0; v < NV; ++v) {
-      const __m512 swv = _mm512_loadu_ps(sc + (v * a.groups + g) * CB);
-      for (int m = 0; m < MRT; ++m) {
-        __m512i sum = acc[0][m][v];
-        for (int s = 1; s < S; ++s) sum = _mm512_add_epi32(sum, acc[s][m][v]);
-        const __m512 f = _mm512_mul_ps(swv, _mm512_set1_ps(xs[m * chunks + c]));
-        total[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, total[m][v]);
-      }
-    }
-  }
-  for (int m = 0; m < MRT; ++m)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out[m] + v * CB, total[m][v]);
-#else
-  for (int m = 0; m < MRT; ++m)
-    for (int i = 0; i < NV * CB; ++i) out[m][i] = 0.f;
-  for (int64_t c = 0; c < chunks; ++c) {
-    int32_t acc[MRT][NV * CB] = {};
-    for (int64_t p = c * PAIRS; p < (c + 1) * PAIRS; ++p)
-      for (int m = 0; m < MRT; ++m) {
-        const int32_t x0 = xq[m * Kp + 2 * p], x1 = xq[m * Kp + 2 * p + 1];
-        for (int v = 0; v < NV; ++v)
-          for (int i = 0; i < CB; ++i) {
-            const int8_t* wp = w + v * blk_bytes + (p * CB + i) * 2;
-            acc[m][v * CB + i] += x0 * wp[0] + x1 * wp[1];
-          }
-      }
-    const int64_t g = a.groups == 1 ? 0 : c;
     for (int m = 0; m < MRT; ++m)
-      for (int v = 0; v < NV; ++v)
-        for (int i = 0; i < CB; ++i)
-          out[m][v * CB + i] += static_cast<float>(acc[m][v * CB + i]) *
-                                (sc[(v * a.groups + g) * CB + i] * xs[m * chunks + c]);
-  }
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out[m] + v * CB, total[m][v]);
+#else
+    for (int m = 0; m < MRT; ++m)
+      for (int i = 0; i < NV * CB; ++i) out[m][i] = 0.f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      int32_t acc[MRT][NV * CB] = {};
+      for (int64_t p = c * PAIRS; p < (c + 1) * PAIRS; ++p)
+        for (int m = 0; m < MRT; ++m) {
+          const int32_t x0 = xq[m * Kp + 2 * p], x1 = xq[m * Kp + 2 * p + 1];
+          for (int v = 0; v < NV; ++v)
+            for (int i = 0; i < CB; ++i) {
+              const int8_t* wp = w + v * blk_bytes + (p * CB + i) * 2;
+              acc[m][v * CB + i] += x0 * wp[0] + x1 * wp[1];
+            }
+        }
+      const int64_t g = a.groups == 1 ? 0 : c;
+      for (int m = 0; m < MRT; ++m)
+        for (int v = 0; v < NV; ++v)
+          for (int i = 0; i < CB; ++i)
+            out[m][v * CB + i] += static_cast<float>(acc[m][v * CB + i]) *
+                                  (sc[(v * a.groups + g) * CB + i] * xs[m * chunks + c]);
+    }
 #endif
-}
-
-// Rows m0..m0+MRT against output channels n0..n0+32 (clipped to N on store).
-template <int MRT>
-inline void rows_tile(const Args& a, int64_t m0, int64_t n0) {
-  float out[MRT][NV * CB];
-  tile<MRT>(a, m0, n0, out);
-  const int64_t n_end = std::min<int64_t>(n0 + NV * CB, a.N);
-  for (int m = 0; m < MRT; ++m) {
-    float* y = a.y + (m0 + m) * a.N;
-    for (int64_t n = n0; n < n_end; ++n) y[n] = out[m][n - n0] + (a.bias ? a.bias[n] : 0.f);
   }
-}
-
-template <int R>
-inline void rows_rest(const Args& a, int64_t m0, int64_t rows, int64_t n0) {
-  if constexpr (R > 0) {
-    if (rows == R) return rows_tile<R>(a, m0, n0);
-    rows_rest<R - 1>(a, m0, rows, n0);
-  }
-}
-
-// Every row of x against one tile of 32 output channels: the tile's weights stay in L1.
-void channel_tile(const Args& a, int64_t n0) {
-  int64_t m = 0;
-  for (; m + MR <= a.M; m += MR) rows_tile<MR>(a, m, n0);
-  if (m < a.M) rows_rest<MR - 1>(a, m, a.M - m, n0);
-}
+};
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias, int64_t n) {
@@ -196,11 +177,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   for (int64_t m = 0; m < M; ++m)  // M * K values: small next to the weights
     quantize_row(xp + m * K, K, Kp, xq.data_ptr<int16_t>() + m * Kp, xs.data_ptr<float>() + m * (Kp / CHUNK));
   at::Tensor y = at::empty({M, N}, xf.options());
-  const Args a{xq.data_ptr<int16_t>(), xs.data_ptr<float>(), w.data_ptr<int8_t>(), sc.data_ptr<float>(),
+  const LinearArgs a{xq.data_ptr<int16_t>(), xs.data_ptr<float>(), w.data_ptr<int8_t>(), sc.data_ptr<float>(),
                b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, Kp, N, groups};
   const int64_t tiles = w.size(0) / NV;
   at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) channel_tile(a, t * NV * CB);
+    for (int64_t t = lo; t < hi; ++t) eeserve_tiles::channel_tile<Kernel>(a, t * NV * CB);
   });
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
