@@ -169,6 +169,20 @@ def test_int8_early_exit_and_fill(int8_llm: LLM) -> None:
     torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=1e-5)
 
 
+def test_int8_speculative_output_equals_int8_full_depth(int8_llm: LLM) -> None:
+    """Drafts from layer 2 verified by layers 3-4, all on int8 weights: lossless against the
+    int8 model's own full depth, and every block comes back."""
+    full = int8_llm.generate(PROMPTS, GREEDY, use_tqdm=False, exit_params=ExitParams(enabled=False))
+    spec = ExitParams(mode="speculative", threshold=0.0, exit_layers=[2], num_draft_tokens=3)
+    outs = int8_llm.generate(PROMPTS, GREEDY, use_tqdm=False, exit_params=spec)
+    for a, b in zip(outs, full):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    drafted = [o.outputs[0].exit_stats.num_drafted for o in outs]
+    assert all(d is not None for d in drafted) and sum(d or 0 for d in drafted) > 0
+    engine = int8_llm.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_quantization_option_is_validated_and_on_the_command_line() -> None:
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int4")
