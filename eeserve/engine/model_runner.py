@@ -110,7 +110,7 @@ class ModelRunner:
             self.lm_head = Int8Linear(model.lm_head.weight, None, ops)
             if exit_heads is not None:
                 quantize_linears(exit_heads, ops)
-        elif can_pack(device, dtype, config.hidden_size):
+        elif can_pack(device, dtype, config.hidden_size, native):
             pack_for_cpu(model, native)
             self.lm_head = PackedLinear(model.lm_head.weight, None, native)
             if exit_heads is not None:
@@ -129,7 +129,7 @@ class ModelRunner:
     def set_draft_vocab(self, n: int) -> None:
         """Speculative drafts over the first ``n`` token ids (0: the whole vocabulary)."""
         weight = self.model.lm_head.weight[:n].detach()
-        packable = can_pack(self.device, self.dtype, self.config.hidden_size)
+        packable = can_pack(self.device, self.dtype, self.config.hidden_size, self.native)
         dense = partial(F.linear, weight=weight)
         head = PackedLinear(weight, None, self.native) if packable else dense
         self.exit_loop.draft_head = head if 0 < n < self.config.vocab_size else None  # type: ignore[assignment]

@@ -58,9 +58,17 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def can_pack(device: torch.device, dtype: torch.dtype, hidden_size: int) -> bool:
-    """Packing pays off for real model sizes; tiny test models only see its call overhead."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available() or hidden_size < 256:
+def can_pack(
+    device: torch.device, dtype: torch.dtype, hidden_size: int, ops: NativeOps | None = None
+) -> bool:
+    """Whether ``pack_for_cpu`` applies. The engine's float32 kernel at every size, so that tiny
+    test models run the same code as real ones; oneDNN packing pays off only for real model
+    sizes (tiny models see its call overhead)."""
+    if device.type != "cpu":
+        return False
+    if ops is not None and dtype == torch.float32:
+        return True
+    if not torch.backends.mkldnn.is_available() or hidden_size < 256:
         return False
     return dtype == torch.float32 or (
         dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
