@@ -39,8 +39,8 @@ import torch
 
 from eeserve.engine.attention import AttnMeta, PagedKVCache
 from eeserve.engine.exits import ExitPlan, confidence, decide
+from eeserve.engine.layer_stack import LayerStack
 from eeserve.exit_params import LOGIT_MEASURES
-from eeserve.kernels.fused import FusedDecoder
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import AttentionFn, LlamaDecoderLayer, LlamaForCausalLM, Rotary
 
@@ -111,33 +111,17 @@ class ExitLoop:
         lm_head: torch.nn.Module,
         heads: ExitHeads | None,
         shared_head: bool,
-        fused: FusedDecoder | None = None,
+        stack: LayerStack,
     ) -> None:
         self.model = model
         self.kv = kv
-        self.fused = fused
+        self.stack = stack
         self.lm_head = lm_head
         self.heads = heads
         self.shared_head = shared_head
         self.layer_heads = not shared_head and heads is not None and heads.layer_heads
         # Optional cheaper LM head for speculative drafts: the first V' rows of the vocabulary.
         self.draft_head: torch.nn.Module | None = None
-
-    def layers(
-        self, h: torch.Tensor, rot: Rotary, meta: AttnMeta, start: int, end: int
-    ) -> torch.Tensor:
-        """Decoder layers [start, end) (0-based) over the rows of ``meta``, no exits: in one
-        kernel call per layer when every row is a decode row and the kernels are there."""
-        if self.fused is not None and meta.rowwise and all(meta.rowwise):
-            assert meta.row_slots is not None and meta.row_lens is not None
-            return self.fused.run(
-                h, rot.cos, rot.sin, self.kv.k, self.kv.v,
-                meta.slot_mapping, meta.row_slots, meta.row_lens, start, end,
-            )  # fmt: skip
-        attn = partial(self.kv.attend, meta=meta)
-        for layer in self.model.layers[start:end]:
-            h = layer(h, rot, attn)
-        return h
 
     def head_normed(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """LM-head input [n, D] of exit ``layer`` (1-based) from the head's input [n, D]: the
@@ -189,7 +173,7 @@ class ExitLoop:
                     rot, meta = self._reindex(st, rot0, meta0)
             else:
                 h_prev = st.h
-                st.h = self.layers(st.h, rot, meta, j - 1, j)
+                st.h = self.stack.run(st.h, rot, meta, j - 1, j)
                 st.layers_run += len(st.active)
             if j in checks and j < num_layers and st.active:
                 leave = {i for i, r in enumerate(st.active) if b.forced_depth.get(r) == j}

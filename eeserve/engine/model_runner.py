@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.engine.exit_loop import ExitBatch, ExitLoop, Passenger
+from eeserve.engine.layer_stack import LayerStack
 from eeserve.engine.sampler import Sampler, token_logprobs
 from eeserve.engine.sequence import Sequence
 from eeserve.engine.speculative import DRAFT_MAX_BATCH, SpecDecoder, SpecOutput
@@ -122,7 +123,8 @@ class ModelRunner:
         # Whole layers in one kernel call for decode-only steps (None: not every projection is on
         # the engine's kernels, e.g. bfloat16 through oneDNN, or no kernels).
         fused = FusedDecoder.build(model, native) if dtype == torch.float32 else None
-        self.exit_loop = ExitLoop(model, self.kv, self.lm_head, exit_heads, shared, fused)
+        self.layers = LayerStack(model, self.kv, fused)
+        self.exit_loop = ExitLoop(model, self.kv, self.lm_head, exit_heads, shared, self.layers)
         if exit_config is not None and 0 < exit_config.draft_vocab < config.vocab_size:
             self.set_draft_vocab(exit_config.draft_vocab)
 
@@ -177,7 +179,7 @@ class ModelRunner:
         """Full-depth pass. Returns the final normed hidden states of ``last_rows`` [S, D]."""
         h = self.model.embed(batch.input_ids)
         rot = Rotary(self.cos[batch.positions], self.sin[batch.positions])
-        h = self.exit_loop.layers(h, rot, batch.meta, 0, self.config.num_layers)
+        h = self.layers.run(h, rot, batch.meta, 0, self.config.num_layers)
         rows = batch.last_rows
         h_last = h[rows[0] :] if rows == list(range(rows[0], h.shape[0])) else h[rows]
         return self.model.final_norm(h_last), h.shape[0] * self.config.num_layers

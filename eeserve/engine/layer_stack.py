@@ -1,0 +1,41 @@
+"""The decoder layers over the paged KV cache, without exits.
+
+Contract: ``LayerStack.run(h, rot, meta, start, end)`` computes layers [start, end) (0-based)
+for the rows of ``meta``, writing their K/V: through ``kernels.fused`` (one kernel call per
+layer) when every row is a decode row (``AttnMeta.rowwise`` everywhere) and the model's
+projections are on the engine's kernels, else through the model's modules with the cache's
+``attend``. Both give the same numbers (tests/test_fused.py). The runner's full-depth pass and the
+exit loop's layers between checks both go through here.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from eeserve.engine.attention import AttnMeta, PagedKVCache
+from eeserve.kernels.fused import FusedDecoder
+from eeserve.models.llama import LlamaForCausalLM, Rotary
+
+
+class LayerStack:
+    def __init__(
+        self, model: LlamaForCausalLM, kv: PagedKVCache, fused: FusedDecoder | None
+    ) -> None:
+        self.model, self.kv, self.fused = model, kv, fused
+
+    def run(
+        self, h: torch.Tensor, rot: Rotary, meta: AttnMeta, start: int, end: int
+    ) -> torch.Tensor:
+        """h [N, D], the input of layer ``start`` -> the output of layer ``end - 1``."""
+        if self.fused is not None and meta.rowwise and all(meta.rowwise):
+            assert meta.row_slots is not None and meta.row_lens is not None
+            return self.fused.run(
+                h, rot.cos, rot.sin, self.kv.k, self.kv.v,
+                meta.slot_mapping, meta.row_slots, meta.row_lens, start, end,
+            )  # fmt: skip
+        attn = partial(self.kv.attend, meta=meta)
+        for layer in self.model.layers[start:end]:
+            h = layer(h, rot, attn)
+        return h
