@@ -185,7 +185,7 @@ def test_layers_run_match_exit_telemetry(tiny_varied_dir: Path) -> None:
 
     for layer in llm.engine.runner.model.layers:
         layer.register_forward_pre_hook(count)
-    fused = llm.engine.runner.layers.fused
+    fused = llm.engine.runner.stack.fused
     if fused is not None:  # decode steps run whole layers in one kernel call, past the hooks
         run = fused.run
 

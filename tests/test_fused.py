@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 
+from eeserve import LLM
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.kernels.fused import FusedDecoder
 from eeserve.kernels.native import NativeOps, load
-from eeserve.kernels.packing import pack_for_cpu, use_native_ops
+from eeserve.kernels.packing import PackedLinear, pack_for_cpu, use_native_ops
 from eeserve.kernels.quant import quantize_model
 from eeserve.models.config import ModelConfig, rope_tables
 from eeserve.models.llama import LlamaForCausalLM, Rotary
@@ -98,3 +100,15 @@ def test_no_fused_decoder_without_the_engine_kernels(ops: NativeOps) -> None:
     plain = LlamaForCausalLM(CFG)  # dense nn.Linear projections, PyTorch norms
     assert FusedDecoder.build(plain, ops) is None
     assert FusedDecoder.build(_model(ops, "float32"), None) is None
+
+
+def test_engine_runs_tiny_float32_models_through_the_fused_decoder(
+    ops: NativeOps, tiny_varied_dir: Path
+) -> None:
+    """With the engine's kernels a float32 model of any size takes the float32 kernel and the
+    whole-layer calls, so the tiny models of the suite test the same path as the real one."""
+    runner = LLM(str(tiny_varied_dir), enable_prefix_caching=False).engine.runner
+    assert runner.stack.fused is not None
+    assert isinstance(runner.model.layers[0].mlp.down_proj, PackedLinear)
+    plain = LLM(str(tiny_varied_dir), enable_prefix_caching=False, cpu_kernels=False)
+    assert plain.engine.runner.stack.fused is None

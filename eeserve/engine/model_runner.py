@@ -123,8 +123,8 @@ class ModelRunner:
         # Whole layers in one kernel call for decode-only steps (None: not every projection is on
         # the engine's kernels, e.g. bfloat16 through oneDNN, or no kernels).
         fused = FusedDecoder.build(model, native) if dtype == torch.float32 else None
-        self.layers = LayerStack(model, self.kv, fused)
-        self.exit_loop = ExitLoop(model, self.kv, self.lm_head, exit_heads, shared, self.layers)
+        self.stack = LayerStack(model, self.kv, fused)
+        self.exit_loop = ExitLoop(model, self.kv, self.lm_head, exit_heads, shared, self.stack)
         if exit_config is not None and 0 < exit_config.draft_vocab < config.vocab_size:
             self.set_draft_vocab(exit_config.draft_vocab)
 
@@ -179,7 +179,7 @@ class ModelRunner:
         """Full-depth pass. Returns the final normed hidden states of ``last_rows`` [S, D]."""
         h = self.model.embed(batch.input_ids)
         rot = Rotary(self.cos[batch.positions], self.sin[batch.positions])
-        h = self.layers.run(h, rot, batch.meta, 0, self.config.num_layers)
+        h = self.stack.run(h, rot, batch.meta, 0, self.config.num_layers)
         rows = batch.last_rows
         h_last = h[rows[0] :] if rows == list(range(rows[0], h.shape[0])) else h[rows]
         return self.model.final_norm(h_last), h.shape[0] * self.config.num_layers

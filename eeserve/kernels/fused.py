@@ -12,14 +12,12 @@ know the engine's cache classes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from eeserve.kernels.native import NativeOps
 from eeserve.kernels.packing import NativeRMSNorm, PackedLinear
 from eeserve.kernels.quant import Int8Linear
-from eeserve.models.llama import LlamaForCausalLM
+from eeserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 # (packed weight, int8 scales or None, bias or None)
 Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -33,21 +31,29 @@ def _projection(module: torch.nn.Module) -> Projection | None:
     return None
 
 
-@dataclass(frozen=True)
-class FusedLayer:
-    norm1: torch.Tensor
-    norm2: torch.Tensor
-    qkv: Projection
-    o: Projection
-    gate_up: Projection
-    down: Projection
+def _layer_weights(layer: LlamaDecoderLayer, eps: float) -> tuple[object, ...] | None:
+    """The layer's static arguments of ``decode_layer`` (norms, eps, then each projection's
+    weight and scales, and the fused QKV's bias), or None when the kernel cannot run it."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not all(isinstance(n, NativeRMSNorm) for n in norms):
+        return None
+    qkv, o, gate_up, down = (
+        _projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    )
+    if qkv is None or o is None or gate_up is None or down is None:
+        return None
+    if any(p[2] is not None for p in (o, gate_up, down)):  # the kernel adds only QKV's bias
+        return None
+    return (norms[0].weight, norms[1].weight, eps, *qkv, *o[:2], *gate_up[:2], *down[:2])
 
 
 class FusedDecoder:
-    def __init__(self, model: LlamaForCausalLM, ops: NativeOps, layers: list[FusedLayer]) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, ops: NativeOps, layers: list[tuple[object, ...]]
+    ) -> None:
         cfg = model.config
         self.ops, self.layers = ops, layers
-        self.eps = cfg.rms_norm_eps
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.intermediate = cfg.intermediate_size
         self.scale = cfg.head_dim**-0.5
@@ -56,19 +62,12 @@ class FusedDecoder:
     def build(cls, model: LlamaForCausalLM, ops: NativeOps | None) -> FusedDecoder | None:
         if ops is None:
             return None
-        layers: list[FusedLayer] = []
+        layers: list[tuple[object, ...]] = []
         for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            projs = [_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj)]
-            projs.append(_projection(mlp.down_proj))
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(p is None for p in projs) or not all(
-                isinstance(n, NativeRMSNorm) for n in norms
-            ):
+            weights = _layer_weights(layer, model.config.rms_norm_eps)
+            if weights is None:
                 return None
-            qkv, o, gate_up, down = projs
-            assert qkv is not None and o is not None and gate_up is not None and down is not None
-            layers.append(FusedLayer(norms[0].weight, norms[1].weight, qkv, o, gate_up, down))
+            layers.append(weights)
         return cls(model, ops, layers)
 
     def run(
@@ -86,10 +85,9 @@ class FusedDecoder:
     ) -> torch.Tensor:
         op = self.ops.decode_layer
         for i in range(start, len(self.layers) if end is None else end):
-            w = self.layers[i]
             h = op(
-                h, w.norm1, w.norm2, self.eps, *w.qkv, *w.o[:2], *w.gate_up[:2], *w.down[:2],
-                cos, sin, k_pool[i], v_pool[i], slot_mapping, row_slots, row_lens,
+                h, *self.layers[i], cos, sin, k_pool[i], v_pool[i],
+                slot_mapping, row_slots, row_lens,
                 self.num_heads, self.num_kv_heads, self.intermediate, self.scale,
             )  # fmt: skip
         return h

@@ -66,14 +66,14 @@ at::Tensor decode_layer(const at::Tensor& h, const at::Tensor& norm1, const at::
   rot.call(qk, cos, sin);
   const at::Tensor k = qkv.narrow(1, num_heads, num_kv_heads);
   const at::Tensor v = qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads);
-  at::Tensor kc = k_cache, vc = v_cache;
-  kc.index_copy_(0, slot_mapping, k);
-  vc.index_copy_(0, slot_mapping, v);
+  k_cache.index_copy_(0, slot_mapping, k);
+  v_cache.index_copy_(0, slot_mapping, v);
   const at::Tensor q = qkv.narrow(1, 0, num_heads);
   const at::Tensor o = attn.call(q, k_cache, v_cache, row_slots, row_lens, scale).view({R, num_heads * hd});
-  const at::Tensor mid = h + project(o, o_w, o_s, c10::nullopt, D);
+  // Residuals added into the projections' fresh outputs: no extra allocation per layer.
+  const at::Tensor mid = project(o, o_w, o_s, c10::nullopt, D).add_(h);
   const at::Tensor gu = project(rms.call(mid, norm2, eps), gate_up_w, gate_up_s, c10::nullopt, 2 * intermediate);
-  return mid + project(act.call(gu), down_w, down_s, c10::nullopt, D);
+  return project(act.call(gu), down_w, down_s, c10::nullopt, D).add_(mid);
 }
 
 }  // namespace
