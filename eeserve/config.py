@@ -2,7 +2,7 @@
 
 Contract: ``EngineConfig`` holds every engine-level option (model, dtype, device, KV budget,
 batching limits, prefix caching, early-exit policy and KV-debt strategy, CPU kernels, weight-only
-quantisation). Invalid
+quantisation, what drafts in speculative mode). Invalid
 values raise ``ValueError`` naming the field. ``resolved_device``/``resolved_dtype`` turn "auto"
 into real values: float32 on CPU, bfloat16 on CUDA. ``eeserve_home()`` is where the engine keeps
 what it makes once per machine (converted models, built kernels): ``$EESERVE_HOME``, default
@@ -20,6 +20,7 @@ import torch
 EXIT_POLICIES = ("per_sequence", "batch_all", "none")
 KV_FILL_STRATEGIES = ("fill", "recompute")
 QUANTIZATIONS = ("int8",)
+SPECULATIVE_DRAFTS = ("exits", "int8")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,6 +49,10 @@ class EngineConfig:
     cpu_kernels: bool = True
     # Weight-only quantisation of the projections and LM head at load (None: the dtype's weights).
     quantization: str | None = None
+    # What drafts for requests in ``speculative`` mode: "exits" (the exit heads, at the exit
+    # rules' layers) or "int8" (an int8 copy of the model's own weights, at full depth; loaded
+    # beside the float weights).
+    speculative_draft: str = "exits"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -75,6 +80,16 @@ class EngineConfig:
             )
         if self.kv_fill not in KV_FILL_STRATEGIES:
             raise ValueError(f"kv_fill must be one of {KV_FILL_STRATEGIES}, got {self.kv_fill!r}")
+        if self.speculative_draft not in SPECULATIVE_DRAFTS:
+            raise ValueError(
+                f"speculative_draft must be one of {SPECULATIVE_DRAFTS}, "
+                f"got {self.speculative_draft!r}"
+            )
+        if self.speculative_draft == "int8" and self.quantization is not None:
+            raise ValueError(
+                "speculative_draft='int8' drafts with an int8 copy of float weights; the model "
+                f"itself is already quantised (quantization={self.quantization!r})"
+            )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}"

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import argparse
 
-from eeserve.config import EXIT_POLICIES, KV_FILL_STRATEGIES, QUANTIZATIONS, EngineConfig
+from eeserve.config import (
+    EXIT_POLICIES,
+    KV_FILL_STRATEGIES,
+    QUANTIZATIONS,
+    SPECULATIVE_DRAFTS,
+    EngineConfig,
+)
 
 
 def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -51,6 +57,13 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
         choices=QUANTIZATIONS,
         help="weight-only int8 projections and LM head (activations stay in --dtype)",
     )
+    p.add_argument(
+        "--speculative-draft",
+        default="exits",
+        choices=SPECULATIVE_DRAFTS,
+        help="what drafts for speculative-mode requests: the exit heads, or an int8 copy of the "
+        "model's weights (full depth; loaded beside the float weights)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -69,4 +82,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         exit_policy=args.exit_policy,
         kv_fill=args.kv_fill,
         quantization=args.quantization,
+        speculative_draft=args.speculative_draft,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -235,6 +236,47 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return stat, int(keep.sum()) - 1
 
 
+def sample_in_batches(
+    llm: LLM, ids: list[int], params: list[SamplingParams], ep: ExitParams
+) -> list[Any]:
+    """One request per ``params`` (same prompt), four at a time (larger decode batches of the
+    exits drafter do not draft); the completions in order."""
+    engine = llm.engine
+    rids: list[str] = []
+    done = {}
+    for i in range(0, len(params), 4):
+        rids += [engine.add_request(ids, p, exit_params=ep) for p in params[i : i + 4]]
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0]
+    return [done[r] for r in rids]
+
+
+def second_token_chi_square(
+    hf: Any, ids: list[int], outs: list[Any], temperature: float = 1.0, top_k: int = 8
+) -> tuple[float, int]:
+    """Chi-square of the second generated tokens of ``outs`` against full depth's (HF) sampling
+    distribution given each first token (exact conditional per group of >= 30 samples)."""
+    counts: dict[int, torch.Tensor] = {}
+    probs: dict[int, torch.Tensor] = {}
+    for out in outs:
+        first = out.token_ids[0]
+        if first not in probs:
+            top = (hf_logprobs(hf, [*ids, first])[-1] / temperature).topk(top_k)
+            pr = torch.zeros(hf.config.vocab_size)
+            pr[top.indices] = top.values.softmax(-1)
+            probs[first], counts[first] = pr, torch.zeros_like(pr)
+        counts[first][out.token_ids[1]] += 1
+    stat, dof = 0.0, 0
+    for first, c in counts.items():
+        if c.sum() >= 30:
+            s, d = _chi_square(c, probs[first])
+            stat, dof = stat + s, dof + d
+    assert dof > 0, "no first token sampled often enough"
+    return stat, dof
+
+
 def test_speculative_sampling_is_exact_in_distribution() -> None:
     """accept_sampled with a draft distribution q far from p: the first kept token is
     distributed as p (both accepted and resampled paths taken), 20k fixed-seed draws."""
@@ -268,40 +310,10 @@ def test_engine_sampling_matches_full_depth_distribution(agreeing_dir: Path) -> 
         SamplingParams(max_tokens=3, temperature=1.0, top_k=8, seed=s, ignore_eos=True)
         for s in range(n)
     ]
-    engine = llm.engine
-    ep = spec(0.0, [L - 1], n=2)
-    rids: list[str] = []
-    done = {}
-    for i in range(0, n, 4):  # batches of 4: larger decode batches do not draft
-        rids += [engine.add_request(ids, p, exit_params=ep) for p in sp[i : i + 4]]
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0]
-    flags = [done[r].draft_accepted[1] for r in rids]  # type: ignore[index]
+    outs = sample_in_batches(llm, ids, sp, spec(0.0, [L - 1], n=2))
+    flags = [c.draft_accepted[1] for c in outs]  # type: ignore[index]
     assert True in flags and False in flags
-    # Full depth's distribution of the second token given the sampled first one: average over
-    # the first tokens that occurred (exact conditional per group).
-    hf = load_hf(agreeing_dir)
-    counts: dict[int, torch.Tensor] = {}
-    probs: dict[int, torch.Tensor] = {}
-    for r in rids:
-        first = done[r].token_ids[0]
-        if first not in probs:
-            lp = hf_logprobs(hf, [*ids, first])[-1]
-            top = lp.topk(8)
-            pr = torch.zeros_like(lp)
-            pr[top.indices] = top.values.softmax(-1)
-            probs[first] = pr
-            counts[first] = torch.zeros_like(lp)
-        counts[first][done[r].token_ids[1]] += 1
-    stat, dof = 0.0, 0
-    for first, c in counts.items():
-        if c.sum() < 30:
-            continue
-        s, d = _chi_square(c, probs[first])
-        stat, dof = stat + s, dof + d
-    assert dof > 0
+    stat, dof = second_token_chi_square(load_hf(agreeing_dir), ids, outs)
     # Normal approximation of the chi-square 99.9% quantile (deterministic with fixed seeds).
     assert stat < dof + 3.1 * (2 * dof) ** 0.5 + 5, (stat, dof)
     assert_engine_clean(llm)

@@ -39,14 +39,23 @@ class ExitPlan:
 
 
 def resolve_exit_plan(
-    params: ExitParams | None, cfg: ExitConfig, policy: str | None = None
+    params: ExitParams | None,
+    cfg: ExitConfig,
+    policy: str | None = None,
+    speculative_draft: str = "exits",
 ) -> ExitPlan | None:
+    """``speculative_draft="int8"``: a speculative request's drafts come from the int8 copy at
+    full depth, so its plan has no exit layers (exit layers, threshold and measure go unused)."""
     if params is None:
         if not cfg.enabled_by_default:
             return None
         params = ExitParams()
     if not params.enabled:
         return None
+    mode = params.mode or cfg.default_mode
+    num_drafts = params.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS
+    if mode == "speculative" and speculative_draft == "int8":
+        return ExitPlan("max_prob", {}, mode, num_drafts)
     measure = params.measure or cfg.default_measure
     if measure == "classifier" and not cfg.classifier:
         raise ValueError("measure 'classifier' needs trained classifier probes in the exit sidecar")
@@ -78,8 +87,8 @@ def resolve_exit_plan(
     return ExitPlan(
         measure,
         {lay: t for lay, t in per_layer.items() if lay >= params.min_layer},
-        params.mode or cfg.default_mode,
-        params.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS,
+        mode,
+        num_drafts,
     )
 
 

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from eeserve.config import EngineConfig
 from eeserve.engine.block_manager import BlockManager
-from eeserve.engine.exits import resolve_exit_plan
+from eeserve.engine.exits import ExitPlan, resolve_exit_plan
 from eeserve.engine.model_runner import ModelRunner, StepOutput
 from eeserve.engine.scheduler import Scheduler, SchedulerConfig
 from eeserve.engine.sequence import Sequence
@@ -110,6 +110,7 @@ class LLMEngine:
             config.kv_fill,
             config.cpu_kernels,
             config.quantization,
+            config.speculative_draft,
         )
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, _Detok] = {}
@@ -153,9 +154,7 @@ class LLMEngine:
             self._counter += 1
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        plan = None
-        if self.config.exit_policy != "none":
-            plan = resolve_exit_plan(exit_params, self.exit_config, self.config.exit_policy)
+        plan = self.exit_plan(exit_params)
         seq = Sequence(
             request_id,
             ids,
@@ -168,6 +167,15 @@ class LLMEngine:
         self._detok[request_id] = _Detok()
         self.scheduler.add(seq)
         return request_id
+
+    def exit_plan(self, exit_params: ExitParams | None) -> ExitPlan | None:
+        """A request's resolved exit rule (None: full depth); ``ValueError`` when it cannot be."""
+        if self.config.exit_policy == "none":
+            return None
+        cfg = self.config
+        return resolve_exit_plan(
+            exit_params, self.exit_config, cfg.exit_policy, cfg.speculative_draft
+        )
 
     def abort_request(self, request_id: str) -> None:
         seq = self._seqs.get(request_id)

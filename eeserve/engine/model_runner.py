@@ -19,11 +19,18 @@ import torch
 import torch.nn.functional as F
 
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
+from eeserve.engine.draft_model import Int8Drafter
 from eeserve.engine.exit_loop import ExitBatch, ExitLoop, Passenger
 from eeserve.engine.layer_stack import LayerStack
 from eeserve.engine.sampler import Sampler, token_logprobs
 from eeserve.engine.sequence import Sequence
-from eeserve.engine.speculative import DRAFT_MAX_BATCH, SpecDecoder, SpecOutput
+from eeserve.engine.speculative import (
+    DRAFT_MAX_BATCH,
+    INT8_DRAFT_MAX_BATCH,
+    VERIFY_MAX_ROWS,
+    SpecDecoder,
+    SpecOutput,
+)
 from eeserve.kernels.fused import FusedDecoder
 from eeserve.kernels.native import load as load_native
 from eeserve.kernels.packing import (
@@ -78,6 +85,7 @@ class ModelRunner:
         kv_fill: str = "fill",
         cpu_kernels: bool = True,
         quantization: str | None = None,
+        speculative_draft: str = "exits",
     ) -> None:
         self.model = model
         self.config = config
@@ -100,6 +108,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.spec = SpecDecoder(self.sampler)
         self.lm_head: torch.nn.Module = model.lm_head
+        # Built from the float weights before they are patched, packed or quantised below.
+        self.drafter = (
+            Int8Drafter(model, self.kv, native, dtype) if speculative_draft == "int8" else None
+        )
         if native is not None:
             use_native_ops(model, native)
         if exit_heads is not None:
@@ -142,8 +154,9 @@ class ModelRunner:
         bs = self.block_size
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> Batch:
-        """Rows: each sequence's owed positions (``recompute`` debt), then its new positions."""
+    def prepare(self, seqs: list[Sequence], num_tokens: list[int], owed: bool = True) -> Batch:
+        """Rows: each sequence's owed positions (``recompute`` debt; not with ``owed=False``),
+        then its new positions."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -152,7 +165,7 @@ class ModelRunner:
         for seq, n in zip(seqs, num_tokens):
             start = seq.num_computed_tokens
             end = start + n
-            pos = sorted(seq.kv_debt) + list(range(start, end))
+            pos = (sorted(seq.kv_debt) if owed else []) + list(range(start, end))
             rows = list(range(len(ids), len(ids) + len(pos)))
             all_ids = seq.token_ids
             ids.extend(all_ids[p] for p in pos)
@@ -198,7 +211,8 @@ class ModelRunner:
         # short of the last token samples nothing and is no part of ``batch_all``'s batch.
         decoding = [bool(s.output_token_ids) and ok for s, ok in zip(seqs, sampling)]
         plans = [s.step_plan() if d else None for s, d in zip(seqs, decoding)]
-        if sum(decoding) > DRAFT_MAX_BATCH:  # too many rows for drafting to pay: verify instead
+        # Too many rows for drafting to pay, or the int8 copy drafts: exits only verify.
+        if self.drafter is not None or sum(decoding) > DRAFT_MAX_BATCH:
             plans = [None if s.spec is not None else p for s, p in zip(seqs, plans)]
         forced: dict[int, int] = {}
         passengers: dict[int, Passenger] = {}
@@ -244,6 +258,62 @@ class ModelRunner:
                 self.spec.release(seq.seq_id)
         counts = num_tokens if num_tokens is not None else [s.num_new_tokens for s in seqs]
         sampling = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts)]
+        drafting = self._int8_drafting(seqs, counts, sampling)
+        if not drafting:
+            return self._run(seqs, counts, sampling)
+        rest = [i for i in range(len(seqs)) if i not in drafting]
+        parts = [(drafting, self._draft([seqs[i] for i in drafting]))]
+        if rest:
+            pick = [seqs[i] for i in rest], [counts[i] for i in rest], [sampling[i] for i in rest]
+            parts.append((rest, self._run(*pick)))
+        return _merge(len(seqs), parts)
+
+    def _int8_drafting(
+        self, seqs: list[Sequence], counts: list[int], sampling: list[bool]
+    ) -> list[int]:
+        """Indices of the sequences whose decode row the int8 copy drafts now: every row of the
+        step, or none. A step runs one pass: one row that needs the float model (a prompt chunk,
+        a verification, a sequence that does not speculate) makes every sequence verify in that
+        pass, which costs about what one draft would, and keeps the sequences' rounds in step."""
+        if self.drafter is None:
+            return []
+        rows = len(seqs)
+        ok = rows <= INT8_DRAFT_MAX_BATCH and all(
+            sampling[i]
+            and counts[i] == 1  # a decode row (not a prompt recomputed after preemption)
+            and s.output_token_ids
+            and s.spec is not None
+            and rows * (s.num_draft_tokens + 2) <= VERIFY_MAX_ROWS
+            and s.step_plan() is not None
+            for i, s in enumerate(seqs)
+        )
+        return list(range(rows)) if ok else []
+
+    def _draft(self, seqs: list[Sequence]) -> StepOutput:
+        """One int8 draft per sequence, from its next position; that position is then owed from
+        layer 1 (its K/V so far are the int8 copy's), with its embedding as the owed input."""
+        assert self.drafter is not None
+        n, full = len(seqs), self.config.num_layers
+        batch = self.prepare(seqs, [1] * n, owed=False)
+        h0 = self.model.embed(batch.input_ids)
+        rot = Rotary(self.cos[batch.positions], self.sin[batch.positions])
+        logits = self.drafter.logits(h0, rot, batch.meta)  # [n, V]
+        picked = self.sampler.sample(
+            logits, [s.sampling_params for s in seqs], [s.seq_id for s in seqs]
+        )
+        tokens = picked.cpu().tolist()
+        confs = logits.softmax(dim=-1).amax(dim=-1).tolist()
+        out = StepOutput(tokens, [full] * n, confs, [None] * n, n * full)
+        for i, seq in enumerate(seqs):
+            pos = seq.num_computed_tokens
+            self._debt_hidden.setdefault(seq.seq_id, {})[pos] = h0[i]
+            out.kv_debt.append({**seq.kv_debt, pos: 0})
+            params = seq.sampling_params
+            out.spec.append(self.spec.draft(seq.seq_id, params, logits[i], tokens[i], full))
+        return out
+
+    def _run(self, seqs: list[Sequence], counts: list[int], sampling: list[bool]) -> StepOutput:
+        """The float model's pass over ``seqs`` (exits, verifications, prompt chunks)."""
         batch = self.prepare(seqs, counts)
         full = self.config.num_layers
         kv_debt: dict[int, dict[int, int]] = {}
@@ -264,10 +334,11 @@ class ModelRunner:
                 if not eb.fill or i in eb.speculative:
                     kv_debt[seq.seq_id] = {p: layer for p, (layer, _) in debt.items()}
                     self._debt_hidden[seq.seq_id] = {p: h for p, (_, h) in debt.items()}
-        # A speculative row that reached full depth verifies; its token comes from ``verify``.
+        # A speculative row with drafts that reached full depth verifies; its tokens come from
+        # ``verify``. Without drafts it is a plain decode row (one batched draw with the rest).
         # A prompt chunk short of its last token samples nothing (its seeded generator waits).
         verifying = [
-            ok and s.spec is not None and exit_layers[i] == full
+            ok and s.spec is not None and exit_layers[i] == full and s.num_draft_tokens > 0
             for i, (s, ok) in enumerate(zip(seqs, sampling))
         ]
         rows = [i for i, (v, ok) in enumerate(zip(verifying, sampling)) if ok and not v]
@@ -279,7 +350,11 @@ class ModelRunner:
                 [seqs[i].seq_id for i in rows],
             )
             tokens[rows] = picked.cpu()
-        skip = [s.spec is not None or not ok for s, ok in zip(seqs, sampling)]
+        # Drafts and verifications: their logprobs come with the verified tokens.
+        skip = [
+            not ok or v or (s.spec is not None and exit_layers[i] < full)
+            for i, (s, ok, v) in enumerate(zip(seqs, sampling, verifying))
+        ]
         out = StepOutput(
             token_ids=[t if ok else None for t, ok in zip(tokens.tolist(), sampling)],
             exit_layers=exit_layers,
@@ -309,6 +384,10 @@ class ModelRunner:
             assert token is not None, "a draft is sampled"
             return self.spec.draft(seq.seq_id, params, logits[i], token, out.exit_layers[i])
         k = seq.num_draft_tokens
+        if k == 0:  # nothing to verify: the step's own draw, as for any decode row
+            token = out.token_ids[i]
+            assert token is not None, "a decode row is sampled"
+            return SpecOutput(False, [token], logprobs=[out.logprobs[i]])
         drafts = seq.output_token_ids[len(seq.output_token_ids) - k :]
         owed = verify_logits.get(i, logits[:0])
         assert owed.shape[0] == k, f"{owed.shape[0]} verified positions for {k} drafts"
@@ -325,4 +404,16 @@ def _logprobs(
     for i, seq in enumerate(seqs):
         n = seq.sampling_params.logprobs
         out.append(None if n is None or skip[i] else token_logprobs(logits[i], int(tokens[i]), n))
+    return out
+
+
+def _merge(n: int, parts: list[tuple[list[int], StepOutput]]) -> StepOutput:
+    """One step's output for ``n`` sequences from outputs of disjoint subsets (their indices)."""
+    out = StepOutput([None] * n, [0] * n, [0.0] * n, [None] * n, 0, [None] * n, [None] * n)
+    for idx, part in parts:
+        out.layers_run += part.layers_run
+        for k, i in enumerate(idx):
+            out.token_ids[i], out.exit_layers[i] = part.token_ids[k], part.exit_layers[k]
+            out.confidences[i], out.logprobs[i] = part.confidences[k], part.logprobs[k]
+            out.kv_debt[i], out.spec[i] = part.kv_debt[k], part.spec[k]
     return out

@@ -36,6 +36,15 @@ PAUSE_TOKENS = 8
 # On CPU a batch of 8 is already compute-bound: measured 0.70x full depth with drafting at
 # batch 8 and 32 (docs/speculative.md); 4 is a cautious guess between measured points.
 DRAFT_MAX_BATCH = 4
+# The int8 drafter (``speculative_draft="int8"``) drafts at about half a step's cost at small
+# batches; what limits it is the verification pass, whose rows (every sequence's drafts plus one)
+# stop being nearly free once the pass is compute-bound. Sequences draft only in steps of at most
+# INT8_DRAFT_MAX_BATCH rows, and again only while rows times (their drafts + 2) stay within
+# VERIFY_MAX_ROWS: up to 4 drafts at batch 1-4, 2 at 5-6, 1 at 7-8. Measured on the default model
+# on 2 CPU cores (docs/speculative.md): batch 8 gained 1.09x with 2 drafts, 1.05x with 1 or 4;
+# batch 12 with 1 draft lost (0.89-0.93x).
+INT8_DRAFT_MAX_BATCH = 8
+VERIFY_MAX_ROWS = 24
 
 
 @dataclass

@@ -35,7 +35,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from eeserve.engine.exits import resolve_exit_plan
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.exit_params import ExitParams
 from eeserve.outputs import RequestOutput
@@ -375,7 +374,7 @@ def _check_exit_params(engine: LLMEngine, ep: ExitParams | None) -> None:
     if ep is None or cfg is None or engine.config.exit_policy == "none":
         return
     try:
-        resolve_exit_plan(ep, cfg, engine.config.exit_policy)
+        engine.exit_plan(ep)
     except ValueError as e:
         raise RequestRejected(str(e), "early_exit") from e
 
