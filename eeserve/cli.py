@@ -144,10 +144,11 @@ def _generate(args: argparse.Namespace) -> int:
     )
     if stats is not None and stats.acceptance_rate is not None:
         layer = f"{stats.mean_draft_layer:.1f}" if stats.mean_draft_layer else "-"
+        source = "int8 copy" if engine.speculative_draft == "int8" else "exits"
         print(
-            f"--- speculative (output = full depth): acceptance {stats.acceptance_rate:.1%}, "
-            f"mean draft length {stats.mean_draft_length:.2f}, mean draft layer "
-            f"{layer}/{stats.num_layers}",
+            f"--- speculative, {source} drafts (output = full depth): acceptance "
+            f"{stats.acceptance_rate:.1%}, mean draft length {stats.mean_draft_length:.2f}, "
+            f"mean draft layer {layer}/{stats.num_layers}",
             file=sys.stderr,
         )
     elif stats is not None:

@@ -20,7 +20,7 @@ import torch
 EXIT_POLICIES = ("per_sequence", "batch_all", "none")
 KV_FILL_STRATEGIES = ("fill", "recompute")
 QUANTIZATIONS = ("int8",)
-SPECULATIVE_DRAFTS = ("exits", "int8")
+SPECULATIVE_DRAFTS = ("auto", "exits", "int8")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -51,8 +51,9 @@ class EngineConfig:
     quantization: str | None = None
     # What drafts for requests in ``speculative`` mode: "exits" (the exit heads, at the exit
     # rules' layers) or "int8" (an int8 copy of the model's own weights, at full depth; loaded
-    # beside the float weights).
-    speculative_draft: str = "exits"
+    # beside the float weights); "auto": the exit config's ``default_draft`` ("exits" when the
+    # model is quantised or exits are off).
+    speculative_draft: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -59,10 +59,11 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
     )
     p.add_argument(
         "--speculative-draft",
-        default="exits",
+        default="auto",
         choices=SPECULATIVE_DRAFTS,
         help="what drafts for speculative-mode requests: the exit heads, or an int8 copy of the "
-        "model's weights (full depth; loaded beside the float weights)",
+        "model's weights (full depth; loaded beside the float weights); auto: the model's "
+        "default (its exit config's default_draft)",
     )
 
 

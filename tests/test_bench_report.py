@@ -166,11 +166,14 @@ def test_default_and_calibrated_thresholds_join_the_frontier() -> None:
 def test_speculative_section_is_lossless(report: tuple[Path, dict[str, Any]]) -> None:
     out, r = report
     rows = r["speculative"]
-    assert sorted(x["batch"] for x in rows) == BATCHES
+    for draft in ("exits", "int8"):  # both draft sources, each at every batch size
+        assert sorted(x["batch"] for x in rows if x["draft"] == draft) == BATCHES
     for x in rows:
         assert x["identical"] and x["token_agreement"] == 1.0
         assert x["ratio"] > 0 and 0 <= x["acceptance_rate"] <= 1 and x["drafted"] > 0
         assert sum(v["verified"] for v in x["per_layer"].values()) > 0
+        if x["draft"] == "int8":  # drafted at full depth
+            assert set(x["per_layer"]) == {str(r["meta"]["num_layers"])}
     md = (out / "report.md").read_text()
     assert "## Speculative mode" in md and "1.000" in md
 
@@ -184,15 +187,16 @@ def test_sections_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
         "bench", "report", "--model", str(model), "--out", str(out), "--batch-sizes", "2",
         "--max-tokens", "4", "--repeats", "1", "--threshold", "0.05", "--no-hf",
         "--policies", "per_sequence", "--kv-fills", "fill", "--sections", "speculative",
-        "--num-draft-tokens", "2,3",
+        "--num-draft-tokens", "2,3", "--speculative-drafts", "exits",
     ]  # fmt: skip
     assert main(argv) == 0
     r = json.loads((out / "report.json").read_text())
     assert "paper" not in r and [x["num_draft_tokens"] for x in r["speculative"]] == [2, 3]
+    assert main([*argv[:-1], "fp4"]) == 2
     assert r["peer"] == {"skipped": f"llama-cpp-python is not installed; {llamacpp.INSTALL_HINT}"}
     md = (out / "report.md").read_text()
     assert "## llama.cpp\n\nSkipped: llama-cpp-python is not installed; pip install" in md
-    assert main([*argv[:-4], "--sections", "paper"]) == 2
+    assert main([*argv[:-6], "--sections", "paper"]) == 2
 
 
 def test_no_peer_leaves_the_llama_cpp_section_out(report: tuple[Path, dict[str, Any]]) -> None:

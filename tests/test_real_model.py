@@ -112,18 +112,26 @@ def test_chat_uses_the_template_and_answers(real: Real) -> None:
 
 
 def test_default_sidecar_exits_early_at_its_calibrated_default(real: Real) -> None:
-    """``LLM("smollm2")`` without exit arguments uses the packaged tuned heads and the threshold
-    calibrated for delta 0.05 / epsilon 0.05; a tolerance of 0.05 picks the same threshold."""
+    """``LLM("smollm2")`` without exit arguments is speculative with int8 drafts (its exit
+    config's default mode and draft): full depth's tokens. Exit mode uses the packaged tuned heads
+    and the threshold calibrated for delta 0.05 / epsilon 0.05; a tolerance of 0.05 (an exit
+    rule, so exit mode without naming it) picks the same threshold."""
     llm = make_llm("smollm2", kv_cache_memory=64 * 2**20)
     cfg = llm.engine.exit_config
     cal = [c for c in cfg.calibration if c["delta"] == 0.05 and c["epsilon"] == 0.05]
     assert cfg.head == "tuned" and cfg.enabled_by_default and cal
     assert cfg.default_measure == cal[0]["measure"]
     assert cfg.thresholds[cfg.default_measure] == cal[0]["threshold"]
+    assert (cfg.default_mode, llm.engine.speculative_draft) == ("speculative", "int8")
     # Held-out prompts of the kind it was calibrated on (the calibration saw ~3% of layers saved).
     prompts = prompt_texts(8, seed=0, split="heldout")
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=64)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    full = llm.generate(prompts, params, use_tqdm=False, exit_params=ExitParams(enabled=False))
+    default = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in default] == [o.outputs[0].token_ids for o in full]
+    drafted = {x for o in default for x in o.outputs[0].draft_layers or [] if x is not None}
+    assert drafted == {30}, "the default drafts with the int8 copy"
+    outs = llm.generate(prompts, params, use_tqdm=False, exit_params=ExitParams(mode="exit"))
     layers = [x for o in outs for x in o.outputs[0].exit_layers]
     assert len(layers) == len(prompts) * 64
     assert set(layers) <= {*cfg.exit_layers, 30} and min(layers) < 30, "nothing exited early"

@@ -172,4 +172,9 @@ def add_report_parser(sub: Any) -> None:
     p.add_argument(
         "--num-draft-tokens", default="4", help="speculative section: drafts per verification"
     )
+    p.add_argument(
+        "--speculative-drafts",
+        default="exits,int8",
+        help="speculative section: what drafts (exits: the exit heads; int8: an int8 copy)",
+    )
     p.set_defaults(func=main_report)

@@ -58,6 +58,8 @@ class ReportConfig:
     # "exit": sections 1-4 (early exit as the paper's); "speculative": speculative mode vs full.
     sections: list[str] = field(default_factory=lambda: ["exit", "speculative"])
     num_draft_tokens: list[int] = field(default_factory=lambda: [4])
+    # Speculative section: what drafts ("exits": the exit heads; "int8": an int8 copy).
+    speculative_drafts: list[str] = field(default_factory=lambda: ["exits", "int8"])
 
 
 def _floats(s: str) -> list[float]:
@@ -96,7 +98,15 @@ def config_from_args(args: argparse.Namespace) -> ReportConfig:
         command=_command_line(),
         sections=_sections(args.sections),
         num_draft_tokens=[int(n) for n in args.num_draft_tokens.split(",")],
+        speculative_drafts=_drafts(args.speculative_drafts),
     )
+
+
+def _drafts(s: str) -> list[str]:
+    names = [x for x in s.split(",") if x]
+    if not names or any(x not in ("exits", "int8") for x in names):
+        raise ValueError(f"--speculative-drafts must list exits and/or int8, got {s!r}")
+    return names
 
 
 def _sections(s: str) -> list[str]:
@@ -152,6 +162,8 @@ def canonical_command(cfg: ReportConfig) -> str:
         ",".join(cfg.sections),
         "--num-draft-tokens",
         ",".join(map(str, cfg.num_draft_tokens)),
+        "--speculative-drafts",
+        ",".join(cfg.speculative_drafts),
     ]
     for flag, value in (
         ("--measure", cfg.measure),

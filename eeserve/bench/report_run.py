@@ -213,22 +213,27 @@ class ReportRun:
         self.frontier_batch = min(cfg.frontier_batch, max(self.batch_sizes))
         n = max(self.batch_sizes)
         kv = _kv_bytes(read_config(self.folder), self.prompts[:n], cfg.max_tokens, size)
+        engine = partial(
+            EngineConfig,
+            model=cfg.model,
+            dtype=cfg.dtype,
+            enable_prefix_caching=False,
+            max_num_seqs=n,
+            kv_cache_memory=kv,
+        )
+        # Exits draft on these engines (speculative section); the int8 drafter has its own.
         self.engines = {
-            (p, f): LLMEngine(
-                EngineConfig(
-                    model=cfg.model,
-                    dtype=cfg.dtype,
-                    exit_policy=p,
-                    kv_fill=f,
-                    enable_prefix_caching=False,
-                    max_num_seqs=n,
-                    kv_cache_memory=kv,
-                )
-            )
+            (p, f): LLMEngine(engine(exit_policy=p, kv_fill=f, speculative_draft="exits"))
             for p in cfg.policies
             for f in cfg.kv_fills
         }
         self.first = next(iter(self.engines.values()))
+        spec_int8 = "speculative" in cfg.sections and "int8" in cfg.speculative_drafts
+        self.int8_drafter = (
+            LLMEngine(engine(exit_policy=cfg.policies[0], speculative_draft="int8"))
+            if spec_int8
+            else None
+        )
         self.exit_config = self.first.exit_config
         self.num_layers = self.first.model_config.num_layers
         self.op = operating_point(cfg, self.exit_config)

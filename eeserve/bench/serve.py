@@ -139,12 +139,15 @@ async def _run_rate(
 
 
 def exit_modes(threshold: float | None, measure: str | None) -> dict[str, dict[str, Any]]:
+    """Full depth, and either the model's default mode (``model_default``: speculative with int8
+    drafts for smollm2) or, with a threshold or measure, ``early_exit`` at that rule."""
     on: dict[str, Any] = {"enabled": True}
     if threshold is not None:
         on["threshold"] = threshold
     if measure is not None:
         on["measure"] = measure
-    return {"full_depth": {"enabled": False}, "early_exit": on}
+    name = "early_exit" if len(on) > 1 else "model_default"
+    return {"full_depth": {"enabled": False}, name: on}
 
 
 async def bench_serve_async(

@@ -1,8 +1,9 @@
 """The speculative section of ``eeserve bench report``: self-speculative decoding vs full depth.
 
 Contract: ``speculative_blocks(run)`` gives, per batch size, one block measuring full depth and
-speculative mode (the model's exit rule drafts; ``num_draft_tokens`` from the report config) side
-by side in the same interleaved repeats; ``speculative_rows`` turns the measured blocks into
+speculative mode for each draft source of the report config (``exits``: the model's exit rule
+drafts; ``int8``: an int8 copy of the weights drafts, on its own engine) and ``num_draft_tokens``
+side by side in the same interleaved repeats; ``speculative_rows`` turns the measured blocks into
 rows: decode speed ratio against full depth, token agreement with full depth (1.000: the mode
 is lossless), acceptance rate (accepted / drafted) and drafts per generated token; the mean draft
 layer and the acceptance per exit layer come from the per-token record (accepted drafts and the
@@ -12,26 +13,35 @@ first rejected one of each verification). ``speculative_section`` renders them a
 from __future__ import annotations
 
 from collections import defaultdict
-from functools import partial
 from typing import Any
 
 from eeserve.bench.measure import Run, token_agreement_mean
 from eeserve.bench.report_run import Block, Job, ReportRun
+from eeserve.engine.llm_engine import LLMEngine
 from eeserve.exit_params import ExitParams
 
 
-def _params(run: ReportRun, n: int) -> ExitParams:
+def _params(run: ReportRun, draft: str, n: int) -> ExitParams:
+    if draft == "int8":  # the int8 copy drafts at full depth: no exit rule to give
+        return ExitParams(mode="speculative", num_draft_tokens=n)
     measure, threshold, _ = run.op
     return ExitParams(mode="speculative", measure=measure, threshold=threshold, num_draft_tokens=n)
 
 
+def _engine(run: ReportRun, draft: str) -> LLMEngine:
+    if draft == "int8":
+        assert run.int8_drafter is not None, "the int8 drafter's engine is built with the run"
+        return run.int8_drafter
+    return run.first
+
+
 def speculative_blocks(run: ReportRun) -> list[Block]:
-    engine = run.first
     out = []
     for b in run.batch_sizes:
-        jobs: list[Job] = [("full", run.engine_job(engine, b, ExitParams(enabled=False)))]
+        jobs: list[Job] = [("full", run.engine_job(run.first, b, ExitParams(enabled=False)))]
         jobs += [
-            (f"spec/{n}", run.engine_job(engine, b, _params(run, n)))
+            (f"spec/{d}/{n}", run.engine_job(_engine(run, d), b, _params(run, d, n)))
+            for d in run.cfg.speculative_drafts
             for n in run.cfg.num_draft_tokens
         ]
         out.append(Block(f"speculative, batch {b}", b, jobs))
@@ -39,8 +49,8 @@ def speculative_blocks(run: ReportRun) -> list[Block]:
 
 
 def warm_up(run: ReportRun) -> None:
-    job = partial(run.engine_job, run.first, 2)
-    job(_params(run, run.cfg.num_draft_tokens[0]))()
+    for d in run.cfg.speculative_drafts:
+        run.engine_job(_engine(run, d), 2, _params(run, d, run.cfg.num_draft_tokens[0]))()
 
 
 def _per_layer(r: Run) -> dict[str, dict[str, float]]:
@@ -59,12 +69,13 @@ def speculative_rows(run: ReportRun, blocks: list[Block]) -> list[dict[str, Any]
     for block in blocks:
         med = block.median()
         full = med["full"]
-        for n in run.cfg.num_draft_tokens:
-            r = med[f"spec/{n}"]
+        for d, n in [(d, n) for d in run.cfg.speculative_drafts for n in run.cfg.num_draft_tokens]:
+            r = med[f"spec/{d}/{n}"]
             layers = [lay for lay, _ in r.draft_records]
             rows.append(
                 {
                     "batch": block.batch,
+                    "draft": d,
                     "num_draft_tokens": n,
                     "decode_tok_s": r.decode_tokens_per_s,
                     "full_decode_tok_s": full.decode_tokens_per_s,
@@ -84,17 +95,18 @@ def speculative_rows(run: ReportRun, blocks: list[Block]) -> list[dict[str, Any]
 
 def speculative_section(results: dict[str, Any]) -> str:
     rows = results["speculative"]
-    head = ["batch", "drafts ≤", "full tok/s", "speculative tok/s", "speed", "token agreement",
-            "acceptance", "drafted/token", "mean draft layer"]  # fmt: skip
+    head = ["batch", "draft", "drafts ≤", "full tok/s", "speculative tok/s", "speed",
+            "token agreement", "acceptance", "drafted/token", "mean draft layer"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         layer = f"{r['mean_draft_layer']:.1f}" if r["mean_draft_layer"] else "–"
-        cells = [str(r["batch"]), str(r["num_draft_tokens"]), f"{r['full_decode_tok_s']:.1f}",
+        cells = [str(r["batch"]), r.get("draft", "exits"), str(r["num_draft_tokens"]),
+                 f"{r['full_decode_tok_s']:.1f}",
                  f"{r['decode_tok_s']:.1f}", f"{r['ratio']:.2f}×", f"{r['token_agreement']:.3f}",
                  f"{r['acceptance_rate']:.1%}", f"{r['drafted_per_token']:.2f}", layer]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     per_layer = [
-        f"- batch {r['batch']}, drafts ≤ {r['num_draft_tokens']}: "
+        f"- batch {r['batch']}, {r.get('draft', 'exits')} drafts ≤ {r['num_draft_tokens']}: "
         + ", ".join(
             f"L{lay} {v['rate']:.0%} of {v['verified']}" for lay, v in r["per_layer"].items()
         )
@@ -102,9 +114,11 @@ def speculative_section(results: dict[str, Any]) -> str:
         if r["per_layer"]
     ]
     return (
-        "## Speculative mode (exits draft, the deep layers verify)\n\nDecode tokens/s of "
+        "## Speculative mode (a draft proposes, full depth verifies)\n\nDecode tokens/s of "
         "speculative mode against full depth, measured side by side; token agreement with full "
-        "depth must be 1.000 (the output is full depth's). Acceptance = accepted / drafted.\n\n"
+        "depth must be 1.000 (the output is full depth's). Acceptance = accepted / drafted. "
+        "Draft `exits`: the exit heads at the exit rule's layers; `int8`: an int8 copy of the "
+        "model's own weights at full depth (draft layer = the last layer).\n\n"
         + "\n".join(lines)
         + "\n\nAcceptance per draft exit layer (drafts in the output record: accepted ones and the "
         "first rejected draft of each verification):\n\n" + ("\n".join(per_layer) or "- no drafts")

@@ -52,7 +52,9 @@ def resolve_exit_plan(
         params = ExitParams()
     if not params.enabled:
         return None
-    mode = params.mode or cfg.default_mode
+    # A request that states an exit rule but no mode asks for exits, whatever the default mode.
+    rule = (params.threshold, params.tolerance, params.measure, params.exit_layers)
+    mode = params.mode or ("exit" if any(x is not None for x in rule) else cfg.default_mode)
     num_drafts = params.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS
     if mode == "speculative" and speculative_draft == "int8":
         return ExitPlan("max_prob", {}, mode, num_drafts)

@@ -96,6 +96,11 @@ class LLMEngine:
             model=model,
             base=folder,
         )
+        draft = config.speculative_draft
+        if draft == "auto":  # an int8 copy of int8 weights, or for no exits at all, is no use
+            usable = config.quantization is None and config.exit_policy != "none"
+            draft = self.exit_config.default_draft if usable else "exits"
+        self.speculative_draft = draft
         self.runner = ModelRunner(
             model,
             mcfg,
@@ -110,7 +115,7 @@ class LLMEngine:
             config.kv_fill,
             config.cpu_kernels,
             config.quantization,
-            config.speculative_draft,
+            self.speculative_draft,
         )
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, _Detok] = {}
@@ -172,9 +177,8 @@ class LLMEngine:
         """A request's resolved exit rule (None: full depth); ``ValueError`` when it cannot be."""
         if self.config.exit_policy == "none":
             return None
-        cfg = self.config
         return resolve_exit_plan(
-            exit_params, self.exit_config, cfg.exit_policy, cfg.speculative_draft
+            exit_params, self.exit_config, self.config.exit_policy, self.speculative_draft
         )
 
     def abort_request(self, request_id: str) -> None:

@@ -29,10 +29,19 @@ class ExitConfig:
     # "base_model_hash"}; None: the base weights are used as they are.
     base_delta: dict[str, str | int | float] | None = None
     default_mode: str = "exit"  # "exit" or "speculative" (when a request names no mode)
+    # What drafts in speculative mode when the engine's ``speculative_draft`` is "auto": "exits"
+    # (the exit heads) or "int8" (an int8 copy of the model's own weights, at full depth).
+    default_draft: str = "exits"
     # Speculative drafts are projected onto the first ``draft_vocab`` token ids only (a BPE
     # vocabulary is roughly frequency-ordered); 0: the whole vocabulary. Verification keeps the
     # output exact whatever the draft head is; a smaller one makes drafting cheaper.
     draft_vocab: int = 0
+
+    def __post_init__(self) -> None:
+        if self.default_mode not in ("exit", "speculative"):
+            raise ValueError(f"default_mode must be exit or speculative, got {self.default_mode!r}")
+        if self.default_draft not in ("exits", "int8"):
+            raise ValueError(f"default_draft must be exits or int8, got {self.default_draft!r}")
 
 
 def default_shared_exit_layers(num_layers: int) -> list[int]:
