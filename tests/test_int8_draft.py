@@ -3,6 +3,7 @@ model's own weights drafts at full depth, the float model verifies; output equal
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ from eeserve import LLM, EngineConfig, SamplingParams
 from eeserve.cli import main
 from eeserve.engine.speculative import INT8_DRAFT_MAX_BATCH
 from eeserve.exit_params import ExitParams
+from eeserve.models.exit_config import ExitConfig
+from eeserve.models.exit_heads import save_sidecar
 from tests.test_speculative import sample_in_batches, second_token_chi_square
 from tests.tiny_model import (
     assert_cache_matches_hf,
@@ -191,6 +194,33 @@ def test_bad_options_are_rejected(varied_dir: Path, capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit) as e:
         main([*base, "--speculative-draft", "fp4"])
     assert e.value.code == 2 and "--speculative-draft" in capsys.readouterr().err
+
+
+def test_auto_takes_the_models_default_draft(varied_dir: Path, tmp_path: Path) -> None:
+    """A sidecar with ``default_mode: speculative`` and ``default_draft: int8``: requests without
+    exit parameters are speculative with int8 drafts (full depth's tokens); a request stating an
+    exit rule exits; ``auto`` falls back to exit drafts without the CPU kernels, on a quantised
+    model or with exits off."""
+    folder = tmp_path / "m"
+    shutil.copytree(varied_dir, folder)
+    cfg = ExitConfig(
+        L, [1, 2, 3], thresholds={"softmax_margin": 0.0}, enabled_by_default=True,
+        default_mode="speculative", default_draft="int8",
+    )  # fmt: skip
+    save_sidecar(folder, cfg, None)
+    llm = LLM(str(folder), enable_prefix_caching=False)
+    assert llm.engine.speculative_draft == "int8"
+    prompts = _prompts(3)
+    full = _tokens(llm, prompts, FULL)
+    outs = run_together(llm, prompts, GREEDY, [None] * len(prompts))
+    assert [c.token_ids for c in outs] == full
+    assert {x for c in outs for x in c.draft_layers or [] if x is not None} == {L}
+    (exits,) = run_together(llm, prompts[:1], GREEDY, [ExitParams(threshold=0.0)])
+    assert exits.draft_layers is None and min(exits.exit_layers) == 1  # threshold 0: first exit
+    for kw in ({"cpu_kernels": False}, {"quantization": "int8"}, {"exit_policy": "none"}):
+        assert LLM(str(folder), **kw).engine.speculative_draft == "exits", kw
+    with pytest.raises(ValueError, match="default_draft"):
+        ExitConfig(L, [1], default_draft="fp8")
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """The int8 drafter of ``speculative_draft="int8"``: the model's own weights, quantised, draft.
 
 Contract: ``Int8Drafter(model, kv, native, dtype)`` is built from the float model *before* the
-runner packs or patches it (it deep-copies the decoder layers, sharing the embedding, and
-quantises the copy's projections and LM head to int8, ``kernels.quant``). ``logits(h0, rot,
+runner packs or patches it (it copies the modules, sharing every parameter, and quantises the
+copy's projections and LM head to int8, ``kernels.quant``). ``logits(h0, rot,
 meta)`` runs every layer of the copy over the rows of ``meta`` and returns the draft logits
 [N, V] (float32). It writes the rows' K/V into the shared cache: those are approximate, so the
 drafted positions are owed from layer 1 (``recompute`` KV debt) and the verification, a
@@ -38,9 +38,10 @@ class Int8Drafter:
         native: NativeOps | None,
         dtype: torch.dtype,
     ) -> None:
-        # The embedding (and a tied LM head) is shared, not copied: 113 MB on the default model.
-        embed = model.model.embed_tokens
-        memo = {id(embed): embed, id(model.lm_head): model.lm_head}
+        # A copy of the modules that shares every parameter (no second float model in memory,
+        # not even while loading): quantising the copy replaces its projections with int8 ones
+        # and leaves the float model's tensors alone; norms and the embedding stay shared.
+        memo: dict[int, object] = {id(t): t for t in model.parameters()}
         draft: LlamaForCausalLM = copy.deepcopy(model, memo)
         if native is not None:
             use_native_ops(draft, native)

@@ -22,6 +22,7 @@ from eeserve.engine.scheduler import Scheduler, SchedulerConfig
 from eeserve.engine.sequence import Sequence
 from eeserve.engine.speculative import SpecOutput
 from eeserve.exit_params import ExitParams
+from eeserve.kernels.native import load as load_native
 from eeserve.models.cost import CostModel
 from eeserve.models.exit_heads import load_exit_setup
 from eeserve.models.loader import load_model, resolve_model, sidecar_folders
@@ -97,8 +98,11 @@ class LLMEngine:
             base=folder,
         )
         draft = config.speculative_draft
-        if draft == "auto":  # an int8 copy of int8 weights, or for no exits at all, is no use
-            usable = config.quantization is None and config.exit_policy != "none"
+        if draft == "auto":
+            # The int8 copy pays only on the engine's CPU int8 kernels (elsewhere its projections
+            # dequantise per call); an int8 copy of int8 weights, or for no exits at all, is no use.
+            kernels = device.type == "cpu" and config.cpu_kernels and load_native() is not None
+            usable = kernels and config.quantization is None and config.exit_policy != "none"
             draft = self.exit_config.default_draft if usable else "exits"
         self.speculative_draft = draft
         self.runner = ModelRunner(
