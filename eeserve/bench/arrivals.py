@@ -1,8 +1,9 @@
 """``eeserve bench serve --scenario long-prompts``: do long prompts stall the decoding streams?
 
 Contract: ``arrivals(base_url, model, streams, long_prompts, ...)`` starts one streaming request
-per ``streams`` prompt at once (each decodes ``stream_tokens`` tokens), and while they decode,
-sends the ``long_prompts`` one every ``period`` seconds (each asks for ``long_tokens``). It returns
+per ``streams`` prompt at once (each decodes ``stream_tokens`` tokens at full depth), and while
+they decode, sends the ``long_prompts`` one every ``period`` seconds (each asks for
+``long_tokens``). It returns
 the inter-token gaps of the decoding streams (median, p99, max, in ms), the time to first token
 of the long prompts, and the output throughput. ``run_arrivals(args)`` is the command: it starts
 the server twice on a free loopback port, with chunked prefill on and off (or benchmarks
@@ -60,7 +61,10 @@ async def arrivals_async(
 ) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=len(streams) + len(long_prompts) + 4)
+    # Full depth: the scenario measures scheduling (comparable across sessions); speculative
+    # streams would deliver their tokens in bursts of verified drafts.
     common = {"model": model, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    common["early_exit"] = {"enabled": False}
     common["stream_options"] = {"include_usage": True}
     async with httpx.AsyncClient(
         base_url=base_url, headers=headers, timeout=600, limits=limits
