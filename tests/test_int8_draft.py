@@ -200,7 +200,7 @@ def test_auto_takes_the_models_default_draft(varied_dir: Path, tmp_path: Path) -
     """A sidecar with ``default_mode: speculative`` and ``default_draft: int8``: requests without
     exit parameters are speculative with int8 drafts (full depth's tokens); a request stating an
     exit rule exits; ``auto`` falls back to exit drafts without the CPU kernels, on a quantised
-    model or with exits off."""
+    model, with exits off or with bfloat16 activations."""
     folder = tmp_path / "m"
     shutil.copytree(varied_dir, folder)
     cfg = ExitConfig(
@@ -217,7 +217,8 @@ def test_auto_takes_the_models_default_draft(varied_dir: Path, tmp_path: Path) -
     assert {x for c in outs for x in c.draft_layers or [] if x is not None} == {L}
     (exits,) = run_together(llm, prompts[:1], GREEDY, [ExitParams(threshold=0.0)])
     assert exits.draft_layers is None and min(exits.exit_layers) == 1  # threshold 0: first exit
-    for kw in ({"cpu_kernels": False}, {"quantization": "int8"}, {"exit_policy": "none"}):
+    fallbacks = [{"cpu_kernels": False}, {"quantization": "int8"}, {"exit_policy": "none"}]
+    for kw in [*fallbacks, {"dtype": "bfloat16"}]:
         assert LLM(str(folder), **kw).engine.speculative_draft == "exits", kw
     with pytest.raises(ValueError, match="default_draft"):
         ExitConfig(L, [1], default_draft="fp8")

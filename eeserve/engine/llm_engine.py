@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from eeserve.config import EngineConfig
@@ -99,9 +100,11 @@ class LLMEngine:
         )
         draft = config.speculative_draft
         if draft == "auto":
-            # The int8 copy pays only on the engine's CPU int8 kernels (elsewhere its projections
-            # dequantise per call); an int8 copy of int8 weights, or for no exits at all, is no use.
-            kernels = device.type == "cpu" and config.cpu_kernels and load_native() is not None
+            # The int8 copy pays only on the engine's CPU kernels with float32 activations
+            # (elsewhere its projections dequantise per call, and the fused layers are float32
+            # only); an int8 copy of int8 weights, or for no exits at all, is no use.
+            cpu = device.type == "cpu" and dtype == torch.float32 and config.cpu_kernels
+            kernels = cpu and load_native() is not None
             usable = kernels and config.quantization is None and config.exit_policy != "none"
             draft = self.exit_config.default_draft if usable else "exits"
         self.speculative_draft = draft
