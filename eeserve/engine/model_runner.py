@@ -258,27 +258,19 @@ class ModelRunner:
                 self.spec.release(seq.seq_id)
         counts = num_tokens if num_tokens is not None else [s.num_new_tokens for s in seqs]
         sampling = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts)]
-        drafting = self._int8_drafting(seqs, counts, sampling)
-        if not drafting:
-            return self._run(seqs, counts, sampling)
-        rest = [i for i in range(len(seqs)) if i not in drafting]
-        parts = [(drafting, self._draft([seqs[i] for i in drafting]))]
-        if rest:
-            pick = [seqs[i] for i in rest], [counts[i] for i in rest], [sampling[i] for i in rest]
-            parts.append((rest, self._run(*pick)))
-        return _merge(len(seqs), parts)
+        if self._int8_drafts(seqs, counts, sampling):
+            return self._draft(seqs)
+        return self._run(seqs, counts, sampling)
 
-    def _int8_drafting(
-        self, seqs: list[Sequence], counts: list[int], sampling: list[bool]
-    ) -> list[int]:
-        """Indices of the sequences whose decode row the int8 copy drafts now: every row of the
-        step, or none. A step runs one pass: one row that needs the float model (a prompt chunk,
-        a verification, a sequence that does not speculate) makes every sequence verify in that
-        pass, which costs about what one draft would, and keeps the sequences' rounds in step."""
+    def _int8_drafts(self, seqs: list[Sequence], counts: list[int], sampling: list[bool]) -> bool:
+        """Does the int8 copy draft every row of this step? All rows or none: a step runs one
+        pass. One row that needs the float model (a prompt chunk, a verification, a sequence that
+        does not speculate) makes every sequence verify in that pass, which costs about what one
+        draft would, and keeps the sequences' rounds in step."""
         if self.drafter is None:
-            return []
+            return False
         rows = len(seqs)
-        ok = rows <= INT8_DRAFT_MAX_BATCH and all(
+        return rows <= INT8_DRAFT_MAX_BATCH and all(
             sampling[i]
             and counts[i] == 1  # a decode row (not a prompt recomputed after preemption)
             and s.output_token_ids
@@ -287,7 +279,6 @@ class ModelRunner:
             and s.step_plan() is not None
             for i, s in enumerate(seqs)
         )
-        return list(range(rows)) if ok else []
 
     def _draft(self, seqs: list[Sequence]) -> StepOutput:
         """One int8 draft per sequence, from its next position; that position is then owed from
@@ -302,8 +293,8 @@ class ModelRunner:
             logits, [s.sampling_params for s in seqs], [s.seq_id for s in seqs]
         )
         tokens = picked.cpu().tolist()
-        confs = logits.softmax(dim=-1).amax(dim=-1).tolist()
-        out = StepOutput(tokens, [full] * n, confs, [None] * n, n * full)
+        # A draft's confidence is not recorded (verified tokens get the verification's).
+        out = StepOutput(tokens, [full] * n, [1.0] * n, [None] * n, n * full)
         for i, seq in enumerate(seqs):
             pos = seq.num_computed_tokens
             self._debt_hidden.setdefault(seq.seq_id, {})[pos] = h0[i]
@@ -404,16 +395,4 @@ def _logprobs(
     for i, seq in enumerate(seqs):
         n = seq.sampling_params.logprobs
         out.append(None if n is None or skip[i] else token_logprobs(logits[i], int(tokens[i]), n))
-    return out
-
-
-def _merge(n: int, parts: list[tuple[list[int], StepOutput]]) -> StepOutput:
-    """One step's output for ``n`` sequences from outputs of disjoint subsets (their indices)."""
-    out = StepOutput([None] * n, [0] * n, [0.0] * n, [None] * n, 0, [None] * n, [None] * n)
-    for idx, part in parts:
-        out.layers_run += part.layers_run
-        for k, i in enumerate(idx):
-            out.token_ids[i], out.exit_layers[i] = part.token_ids[k], part.exit_layers[k]
-            out.confidences[i], out.logprobs[i] = part.confidences[k], part.logprobs[k]
-            out.kv_debt[i], out.spec[i] = part.kv_debt[k], part.spec[k]
     return out
