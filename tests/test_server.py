@@ -225,6 +225,29 @@ def test_speculative_early_exit_equals_full_depth(server: Server, http: httpx.Cl
     assert drafted > 0 and 0 <= accepted <= drafted
 
 
+def test_bench_serve_runs_do_not_share_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each (mode, rate) run sends the same prompts behind a first line of its own, so no run is
+    served from another run's prefix cache."""
+    from eeserve.bench import serve as bs
+
+    sent: list[list[str]] = []
+
+    async def fake_run(client: Any, bodies: list[dict[str, Any]], rate: float, seed: int) -> Any:
+        sent.append([b["prompt"] for b in bodies])
+        return {}
+
+    async def fake_one(*args: Any) -> None:
+        return None
+
+    monkeypatch.setattr(bs, "_run_rate", fake_run)
+    monkeypatch.setattr(bs, "one_request", fake_one)
+    bs.bench_serve("http://127.0.0.1:9", "m", PROMPTS[:3], [1.0, math.inf])
+    assert len(sent) == 4
+    firsts = [{p.split("\n", 1)[0] for p in run} for run in sent]
+    assert all(len(f) == 1 for f in firsts) and len(set.union(*firsts)) == 4
+    assert all([p.split("\n", 1)[1] for p in run] == PROMPTS[:3] for run in sent)
+
+
 def test_bench_serve_smoke(server: Server) -> None:
     from eeserve.bench.serve import bench_serve, exit_modes, format_table
 

@@ -10,7 +10,8 @@ percentiles in ms, the mean exit layer and the error count. ``run_bench_serve(ar
 entry: it benchmarks ``--base-url``, or starts ``python -m eeserve.server MODEL`` on a free
 loopback port for the run, prints a table and writes JSON. ``one_request``, ``percentiles`` and
 ``server`` are shared with the long-prompt scenario (``bench.arrivals``). Only the given base URL
-(default: loopback) is contacted.
+(default: loopback) is contacted. Every (mode, rate) run sends the same prompts behind a first line
+of its own ("Run k."), so that no run is served from another run's prefix cache.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ async def bench_serve_async(
     async with httpx.AsyncClient(
         base_url=base_url, headers=headers, timeout=600, limits=limits
     ) as client:
-        for mode, early_exit in modes.items():
+        for m, (mode, early_exit) in enumerate(modes.items()):
             common = {
                 "model": model,
                 "max_tokens": max_tokens,
@@ -177,9 +178,13 @@ async def bench_serve_async(
                 "early_exit": early_exit,
                 "stream_options": {"include_usage": True},
             }
-            bodies = [{**common, "prompt": p} for p in prompts]
-            await one_request(client, {**bodies[0], "max_tokens": 2}, 0.0)  # warm-up
-            for rate in rates:
+            warm = {**common, "prompt": f"Warm-up {m}.\n{prompts[0]}", "max_tokens": 2}
+            await one_request(client, warm, 0.0)
+            for r, rate in enumerate(rates):
+                # A first line of its own per run: no run finds another's prompts in the server's
+                # prefix cache (the same prompts otherwise, so the runs compare like for like).
+                tag = f"Run {m * len(rates) + r}.\n"
+                bodies = [{**common, "prompt": tag + p} for p in prompts]
                 row = await _run_rate(client, bodies, rate, seed)
                 rows.append({"mode": mode, "rate": rate, **row})
     return rows
