@@ -50,7 +50,8 @@ bench: fetch
 # The tuned exit heads shipped for the default model (eeserve/data/smollm2): self-generated data,
 # distillation, probes, held-out report (tune_report.md). About 25 minutes on 2 CPU cores.
 tune-default: fetch
-	$(BIN)/eeserve tune-exits smollm2 --exit-layers 6,10,14,18,22,26 --out eeserve/data/smollm2 --seed 0
+	$(BIN)/eeserve tune-exits smollm2 --exit-layers 6,10,14,18,22,26 --out eeserve/data/smollm2 --seed 0 \
+		--default-mode speculative --default-draft int8 --draft-vocab 8192
 
 # The default model trained to exit (`LLM("smollm2-ee")`, eeserve/data/smollm2-ee): a rank-16 base
 # delta distilled from the frozen original jointly with exit heads, then heads, probes and the

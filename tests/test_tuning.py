@@ -18,7 +18,7 @@ from eeserve.models.exit_heads import build_exit_heads, load_exit_setup, load_si
 from eeserve.models.loader import load_model, packaged_sidecar
 from eeserve.tuning.data import Group, collect, text_groups
 from eeserve.tuning.heads import TuneOptions, init_heads, train_head, tune_layers
-from eeserve.tuning.tune import tune
+from eeserve.tuning.tune import _head_config, tune
 from tests.tiny_model import base_weight_hashes, make_llm, tiny_tune_options
 
 LAYERS = [1, 2, 3]
@@ -171,6 +171,18 @@ def test_cli_parses_tune_exits(tmp_path: Path) -> None:
     )
     assert (args.exit_layers, args.adapter, args.seed, args.steps) == ("6,10", "lowrank", 3, 7)
     assert callable(args.func)
+    # The packaged smollm2 sidecar's defaults come from these flags (Makefile tune-default).
+    extra = ["--default-mode", "speculative", "--default-draft", "int8", "--draft-vocab", "8192"]
+    args = _build_parser().parse_args([*argv, *extra])
+    opts = TuneOptions(
+        "smollm2", [6, 10], tmp_path, default_mode=args.default_mode,
+        default_draft=args.default_draft, draft_vocab=args.draft_vocab,
+    )  # fmt: skip
+    cfg = _head_config(opts, 30, [6, 10], 1536)
+    assert (cfg.default_mode, cfg.default_draft, cfg.draft_vocab) == ("speculative", "int8", 8192)
+    assert opts.key() == TuneOptions("smollm2", [6, 10], tmp_path).key()  # same trained heads
+    with pytest.raises(SystemExit):
+        _build_parser().parse_args([*argv, "--default-draft", "fp8"])
 
 
 def test_packaged_default_sidecar_loads() -> None:

@@ -75,6 +75,24 @@ def add_tune_parser(sub: Any) -> None:
         help="--train-base: loss weight per exit layer, comma-separated (default l / L)",
     )
     p.add_argument("--device", default="auto", help="--train-base: auto, cpu or cuda")
+    p.add_argument(
+        "--default-mode",
+        default="exit",
+        choices=["exit", "speculative"],
+        help="the sidecar's default mode for requests that name none",
+    )
+    p.add_argument(
+        "--default-draft",
+        default="exits",
+        choices=["exits", "int8"],
+        help="what drafts in speculative mode by default (the engine's speculative_draft=auto)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="exit drafts over the first N token ids only (0: the whole vocabulary)",
+    )
     defaults = TuneOptions("", [], Path())
     for name, text in _KNOBS.items():
         value = getattr(defaults, name)
@@ -99,6 +117,9 @@ def _run(args: argparse.Namespace) -> int:
         train_base=args.train_base,
         layer_weights=weights,
         device=args.device,
+        default_mode=args.default_mode,
+        default_draft=args.default_draft,
+        draft_vocab=args.draft_vocab,
         **{name: getattr(args, name) for name in _KNOBS},
     )
     tune(opts)

@@ -82,6 +82,10 @@ class TuneOptions:
     checkpoint_every: int = 50  # delta training steps between checkpoints
     eval_every: int = 40  # delta training steps between held-out curve points (0: none)
     device: str = "auto"  # of the delta training: "cuda" when present, else "cpu"
+    # Written into the sidecar as they are (what requests get by default; docs/speculative.md).
+    default_mode: str = "exit"
+    default_draft: str = "exits"
+    draft_vocab: int = 0
 
     def key(self) -> str:
         """Hash of everything that changes the trained heads (names the checkpoint folder)."""
@@ -95,6 +99,9 @@ class TuneOptions:
             "device",
             "checkpoint_every",
             "eval_every",
+            "default_mode",
+            "default_draft",
+            "draft_vocab",
         ):
             d.pop(k)
         d.pop("lr" if self.adapter == "layer" else "layer_lr")  # unused: old keys stay valid

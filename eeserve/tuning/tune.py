@@ -119,6 +119,9 @@ def _head_config(opts: TuneOptions, num_layers: int, layers: list[int], mlp: int
         adapter=opts.adapter,
         adapter_rank=ranks.get(opts.adapter, 0),
         classifier=True,
+        default_mode=opts.default_mode,
+        default_draft=opts.default_draft,
+        draft_vocab=opts.draft_vocab,
     )
 
 
