@@ -40,7 +40,7 @@ DRAFT_MAX_BATCH = 4
 # batches; what limits it is the verification pass, whose rows (every sequence's drafts plus one)
 # stop being nearly free once the pass is compute-bound. Sequences draft only in steps of at most
 # INT8_DRAFT_MAX_BATCH rows, and again only while rows times (their drafts + 2) stay within
-# VERIFY_MAX_ROWS: up to 4 drafts at batch 1-4, 2 at 5-6, 1 at 7-8. Measured on the default model
+# VERIFY_MAX_ROWS: up to 4 drafts at batch 1-4, 3 at 5-6, 2 at 7-8. Measured on the default model
 # on 2 CPU cores (docs/speculative.md): batch 8 gained 1.09x with 2 drafts, 1.05x with 1 or 4;
 # batch 12 with 1 draft lost (0.89-0.93x).
 INT8_DRAFT_MAX_BATCH = 8
