@@ -17,10 +17,12 @@ from pathlib import Path
 
 import torch
 
+from eeserve.exit_params import DRAFT_SOURCES
+
 EXIT_POLICIES = ("per_sequence", "batch_all", "none")
 KV_FILL_STRATEGIES = ("fill", "recompute")
 QUANTIZATIONS = ("int8",)
-SPECULATIVE_DRAFTS = ("auto", "exits", "int8")
+SPECULATIVE_DRAFTS = ("auto", *DRAFT_SOURCES)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

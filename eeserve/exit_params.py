@@ -11,6 +11,9 @@ from dataclasses import dataclass
 MEASURES = ("softmax_margin", "max_prob", "hidden_cosine", "classifier")
 LOGIT_MEASURES = ("softmax_margin", "max_prob")
 MODES = ("exit", "speculative")
+# What drafts in ``speculative`` mode (``EngineConfig.speculative_draft``, also "auto";
+# ``ExitConfig.default_draft``): the exit heads, or an int8 copy of the model's own weights.
+DRAFT_SOURCES = ("exits", "int8")
 # Most drafts before a verification in ``speculative`` mode when a request does not say.
 DEFAULT_NUM_DRAFT_TOKENS = 4
 

@@ -248,6 +248,27 @@ def test_bench_serve_runs_do_not_share_prompts(monkeypatch: pytest.MonkeyPatch) 
     assert all([p.split("\n", 1)[1] for p in run] == PROMPTS[:3] for run in sent)
 
 
+def test_arrival_scenario_streams_run_at_full_depth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The long-prompt scenario measures scheduling: every request it sends asks for full depth
+    (the model's default mode may be speculative, whose streams arrive in bursts)."""
+    from eeserve.bench import arrivals as ar
+    from eeserve.bench.serve import RequestResult
+
+    sent: list[dict[str, Any]] = []
+
+    async def fake_one(client: Any, body: dict[str, Any], start: float) -> RequestResult:
+        sent.append(body)
+        return RequestResult(True, ttft=0.01, itls=[0.01])
+
+    monkeypatch.setattr(ar, "one_request", fake_one)
+    row = ar.arrivals_async(
+        "http://127.0.0.1:9", "m", PROMPTS[:2], ["long"],
+        stream_tokens=4, long_tokens=2, period=0.0, first_after=0.0,
+    )  # fmt: skip
+    asyncio.run(row)
+    assert len(sent) == 4 and all(b["early_exit"] == {"enabled": False} for b in sent)
+
+
 def test_bench_serve_smoke(server: Server) -> None:
     from eeserve.bench.serve import bench_serve, exit_modes, format_table
 

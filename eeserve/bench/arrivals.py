@@ -63,9 +63,14 @@ async def arrivals_async(
     limits = httpx.Limits(max_connections=len(streams) + len(long_prompts) + 4)
     # Full depth: the scenario measures scheduling (comparable across sessions); speculative
     # streams would deliver their tokens in bursts of verified drafts.
-    common = {"model": model, "temperature": 0.0, "ignore_eos": True, "stream": True}
-    common["early_exit"] = {"enabled": False}
-    common["stream_options"] = {"include_usage": True}
+    common = {
+        "model": model,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "early_exit": {"enabled": False},
+        "stream_options": {"include_usage": True},
+    }
     async with httpx.AsyncClient(
         base_url=base_url, headers=headers, timeout=600, limits=limits
     ) as client:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from eeserve.exit_params import DRAFT_SOURCES
+
 
 @dataclass(frozen=True)
 class _Defaults:
@@ -96,24 +98,17 @@ def config_from_args(args: argparse.Namespace) -> ReportConfig:
         quick=args.quick,
         note=args.note,
         command=_command_line(),
-        sections=_sections(args.sections),
+        sections=_names(args.sections, ("exit", "speculative"), "--sections"),
         num_draft_tokens=[int(n) for n in args.num_draft_tokens.split(",")],
-        speculative_drafts=_drafts(args.speculative_drafts),
+        speculative_drafts=_names(args.speculative_drafts, DRAFT_SOURCES, "--speculative-drafts"),
     )
 
 
-def _drafts(s: str) -> list[str]:
+def _names(s: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    """A comma-separated list of some of ``allowed`` (at least one)."""
     names = [x for x in s.split(",") if x]
-    if not names or any(x not in ("exits", "int8") for x in names):
-        raise ValueError(f"--speculative-drafts must list exits and/or int8, got {s!r}")
-    return names
-
-
-def _sections(s: str) -> list[str]:
-    names = [x for x in s.split(",") if x]
-    bad = [x for x in names if x not in ("exit", "speculative")]
-    if bad or not names:
-        raise ValueError(f"--sections must list exit and/or speculative, got {s!r}")
+    if not names or any(x not in allowed for x in names):
+        raise ValueError(f"{flag} must list {' and/or '.join(allowed)}, got {s!r}")
     return names
 
 

@@ -13,6 +13,7 @@ first rejected one of each verification). ``speculative_section`` renders them a
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import product
 from typing import Any
 
 from eeserve.bench.measure import Run, token_agreement_mean
@@ -41,8 +42,7 @@ def speculative_blocks(run: ReportRun) -> list[Block]:
         jobs: list[Job] = [("full", run.engine_job(run.first, b, ExitParams(enabled=False)))]
         jobs += [
             (f"spec/{d}/{n}", run.engine_job(_engine(run, d), b, _params(run, d, n)))
-            for d in run.cfg.speculative_drafts
-            for n in run.cfg.num_draft_tokens
+            for d, n in product(run.cfg.speculative_drafts, run.cfg.num_draft_tokens)
         ]
         out.append(Block(f"speculative, batch {b}", b, jobs))
     return out
@@ -69,7 +69,7 @@ def speculative_rows(run: ReportRun, blocks: list[Block]) -> list[dict[str, Any]
     for block in blocks:
         med = block.median()
         full = med["full"]
-        for d, n in [(d, n) for d in run.cfg.speculative_drafts for n in run.cfg.num_draft_tokens]:
+        for d, n in product(run.cfg.speculative_drafts, run.cfg.num_draft_tokens):
             r = med[f"spec/{d}/{n}"]
             layers = [lay for lay, _ in r.draft_records]
             rows.append(
@@ -100,13 +100,13 @@ def speculative_section(results: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         layer = f"{r['mean_draft_layer']:.1f}" if r["mean_draft_layer"] else "–"
-        cells = [str(r["batch"]), r.get("draft", "exits"), str(r["num_draft_tokens"]),
+        cells = [str(r["batch"]), r["draft"], str(r["num_draft_tokens"]),
                  f"{r['full_decode_tok_s']:.1f}",
                  f"{r['decode_tok_s']:.1f}", f"{r['ratio']:.2f}×", f"{r['token_agreement']:.3f}",
                  f"{r['acceptance_rate']:.1%}", f"{r['drafted_per_token']:.2f}", layer]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     per_layer = [
-        f"- batch {r['batch']}, {r.get('draft', 'exits')} drafts ≤ {r['num_draft_tokens']}: "
+        f"- batch {r['batch']}, {r['draft']} drafts ≤ {r['num_draft_tokens']}: "
         + ", ".join(
             f"L{lay} {v['rate']:.0%} of {v['verified']}" for lay, v in r["per_layer"].items()
         )

@@ -25,6 +25,7 @@ from eeserve.engine.speculative import SpecOutput
 from eeserve.exit_params import ExitParams
 from eeserve.kernels.native import load as load_native
 from eeserve.models.cost import CostModel
+from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import load_exit_setup
 from eeserve.models.loader import load_model, resolve_model, sidecar_folders
 from eeserve.outputs import CompletionOutput, ExitStats, RequestOutput
@@ -37,6 +38,20 @@ log = logging.getLogger(__name__)
 # packed GEMMs' rate on the default model, and 0.4 gave passes of near equal cost
 # (docs/benchmarks.md, "Attention-weighted chunks"). Elsewhere assumed equal (not measured).
 ATTENTION_EFFICIENCY = {"cpu": 0.4}
+
+
+def _speculative_draft(
+    config: EngineConfig, exit_config: ExitConfig, device: torch.device, dtype: torch.dtype
+) -> str:
+    """``config.speculative_draft`` with "auto" resolved to the exit config's ``default_draft``
+    where the int8 copy pays: on the engine's CPU kernels with float32 activations (elsewhere
+    its projections dequantise per call, and the fused layers are float32 only). An int8 copy of
+    int8 weights, or for no exits at all, is no use: "exits" then."""
+    if config.speculative_draft != "auto":
+        return config.speculative_draft
+    cpu = device.type == "cpu" and dtype == torch.float32 and config.cpu_kernels
+    usable = cpu and config.quantization is None and config.exit_policy != "none"
+    return exit_config.default_draft if usable and load_native() is not None else "exits"
 
 
 @dataclass
@@ -98,16 +113,7 @@ class LLMEngine:
             model=model,
             base=folder,
         )
-        draft = config.speculative_draft
-        if draft == "auto":
-            # The int8 copy pays only on the engine's CPU kernels with float32 activations
-            # (elsewhere its projections dequantise per call, and the fused layers are float32
-            # only); an int8 copy of int8 weights, or for no exits at all, is no use.
-            cpu = device.type == "cpu" and dtype == torch.float32 and config.cpu_kernels
-            kernels = cpu and load_native() is not None
-            usable = kernels and config.quantization is None and config.exit_policy != "none"
-            draft = self.exit_config.default_draft if usable else "exits"
-        self.speculative_draft = draft
+        self.speculative_draft = _speculative_draft(config, self.exit_config, device, dtype)
         self.runner = ModelRunner(
             model,
             mcfg,

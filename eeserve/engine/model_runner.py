@@ -6,8 +6,10 @@ or one decode position, after any owed ``recompute`` positions), runs the layers
 over the paged KV cache, asks the exit planner after each exit layer which rows leave, pays their
 KV debt, projects to the vocabulary only the rows that need a token, samples the sequences whose
 positions reach their last token (a prompt chunk that does not samples nothing), and returns
-tokens plus per-row exit telemetry. It never changes scheduling state: the engine applies the
-result.
+tokens plus per-row exit telemetry. With the int8 drafter (``speculative_draft="int8"``) a
+step whose rows all draft runs the int8 copy instead (``_draft``: one draft per sequence, its
+position owed from layer 1); any other step is the float model's pass, which verifies owed
+drafts. It never changes scheduling state: the engine applies the result.
 """
 
 from __future__ import annotations

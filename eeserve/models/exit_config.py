@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from eeserve.exit_params import DRAFT_SOURCES, MODES
+
 
 @dataclass
 class ExitConfig:
@@ -38,10 +40,12 @@ class ExitConfig:
     draft_vocab: int = 0
 
     def __post_init__(self) -> None:
-        if self.default_mode not in ("exit", "speculative"):
-            raise ValueError(f"default_mode must be exit or speculative, got {self.default_mode!r}")
-        if self.default_draft not in ("exits", "int8"):
-            raise ValueError(f"default_draft must be exits or int8, got {self.default_draft!r}")
+        if self.default_mode not in MODES:
+            raise ValueError(f"default_mode must be one of {MODES}, got {self.default_mode!r}")
+        if self.default_draft not in DRAFT_SOURCES:
+            raise ValueError(
+                f"default_draft must be one of {DRAFT_SOURCES}, got {self.default_draft!r}"
+            )
 
 
 def default_shared_exit_layers(num_layers: int) -> list[int]:

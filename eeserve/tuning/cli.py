@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from eeserve.exit_params import DRAFT_SOURCES, MODES
 from eeserve.models.exit_heads import ADAPTERS
 from eeserve.tuning.heads import DEFAULT_ADAPTER, TRAIN_BASE, TuneOptions
 from eeserve.tuning.tune import tune
@@ -78,13 +79,13 @@ def add_tune_parser(sub: Any) -> None:
     p.add_argument(
         "--default-mode",
         default="exit",
-        choices=["exit", "speculative"],
+        choices=MODES,
         help="the sidecar's default mode for requests that name none",
     )
     p.add_argument(
         "--default-draft",
         default="exits",
-        choices=["exits", "int8"],
+        choices=DRAFT_SOURCES,
         help="what drafts in speculative mode by default (the engine's speculative_draft=auto)",
     )
     p.add_argument(
