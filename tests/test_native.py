@@ -160,3 +160,86 @@ def test_engine_switch(tiny_varied_dir: Path) -> None:
             ]
         )
     assert outs[0] == outs[1]
+
+
+def _reference_span(q, k_pool, v_pool, slots, positions):  # type: ignore[no-untyped-def]
+    ctx = len(slots)
+    k = k_pool[slots].transpose(0, 1)[None].float()  # [1, Hkv, T, hd]
+    v = v_pool[slots].transpose(0, 1)[None].float()
+    hidden = torch.arange(ctx)[None, :] > positions[:, None]
+    bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))[None, None]
+    qs = q.transpose(0, 1)[None].float()  # [1, H, n, hd]
+    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=bias, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hd", [16, 64, 128])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4)])
+@pytest.mark.parametrize(
+    ("start", "n", "ctx"),
+    [
+        (0, 150, 150),  # a whole prompt (several query tiles, last key block partial)
+        (70, 37, 107),  # a chunk over a cached prefix that ends mid key block
+        (0, 1, 1),  # one position seeing only itself
+        (None, 3, 90),  # positions that are not consecutive (the exit loop's subset)
+    ],
+)
+def test_span_attention_matches_causal_sdpa(
+    ops: NativeOps,
+    dtype: torch.dtype,
+    hd: int,
+    heads: int,
+    kv_heads: int,
+    start: int | None,
+    n: int,
+    ctx: int,
+) -> None:
+    """One sequence's queries over its context, read in place from a shuffled pool; query rows
+    strided as in a fused projection; GQA and plain MHA; head sizes with and without the
+    vector tiles."""
+    torch.manual_seed(hd + n)
+    pool = 300
+    k_pool = torch.randn(pool, kv_heads, hd).to(dtype)
+    v_pool = torch.randn(pool, kv_heads, hd).to(dtype)
+    slots = torch.randperm(pool)[:ctx]
+    positions = torch.tensor([5, 40, 89]) if start is None else torch.arange(start, start + n)
+    fused = torch.randn(n, heads + 2 * kv_heads, hd).to(dtype)
+    q = fused[:, :heads]
+    out = ops.span_attention(q, k_pool, v_pool, slots, positions, hd**-0.5)
+    close(out, _reference_span(q, k_pool, v_pool, slots, positions), dtype)
+
+
+def test_span_attention_refuses_a_position_outside_the_context(ops: NativeOps) -> None:
+    q, pool = torch.randn(2, 4, 16), torch.randn(10, 2, 16)
+    with pytest.raises(RuntimeError, match="outside its context"):
+        ops.span_attention(q, pool, pool, torch.arange(4), torch.tensor([2, 4]), 0.25)
+
+
+def test_paged_cache_spans_through_the_kernel_match_sdpa(ops: NativeOps) -> None:
+    """A pass with a whole prompt, a prompt chunk over its cached prefix and a decode row: the
+    cache with the kernels (spans through ``span_attention``, the decode row row by row) gives
+    SDPA's output, also for a subset of the rows."""
+    caches = [
+        PagedKVCache(2, 128, 2, 16, torch.float32, torch.device("cpu"), n) for n in (ops, None)
+    ]
+    for c in caches:
+        c.k.copy_(torch.randn(c.k.shape, generator=torch.Generator().manual_seed(1)))
+        c.v.copy_(torch.randn(c.v.shape, generator=torch.Generator().manual_seed(2)))
+    perm = torch.randperm(128)
+    ctx = [perm[:20], perm[20:70], perm[70:80]]
+    spans = [
+        SeqSpan(list(range(20)), list(range(20)), ctx[0], True),  # a whole prompt
+        SeqSpan(list(range(20, 32)), list(range(38, 50)), ctx[1][:50], False),  # a chunk
+        SeqSpan([32], [9], ctx[2], False),  # a decode row
+    ]
+    new_slots = torch.cat([ctx[0], ctx[1][38:50], ctx[2][9:10]])
+    metas = [AttnMeta.build(spans, new_slots, max_rows=c.rowwise_max_rows) for c in caches]
+    assert metas[0].rowwise == [False] * 32 + [True]  # 12 rows: per span with the kernel
+    q, k, v = torch.randn(33, 4, 16), torch.randn(33, 2, 16), torch.randn(33, 2, 16)
+    outs = [c.attend(1, q, k, v, m) for c, m in zip(caches, metas)]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-5)
+    keep = [32, 25, 3, 4, 30]
+    subs = [m.subset(keep) for m in metas]
+    outs = [c.attend(1, q[keep], k[keep], v[keep], m) for c, m in zip(caches, subs)]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-5)

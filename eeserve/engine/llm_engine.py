@@ -33,11 +33,16 @@ from eeserve.sampling_params import SamplingParams, check_text
 
 log = logging.getLogger(__name__)
 
-# Attention's FLOP rate relative to the projections' when a prompt chunk attends to its context
-# (``EngineConfig.attention_context``). CPU: SDPA ran a chunk's attention at 0.25-0.4 of the
-# packed GEMMs' rate on the default model, and 0.4 gave passes of near equal cost
-# (docs/benchmarks.md, "Attention-weighted chunks"). Elsewhere assumed equal (not measured).
-ATTENTION_EFFICIENCY = {"cpu": 0.4}
+
+def _attention_efficiency(device: torch.device, native: bool) -> float:
+    """Attention's FLOP rate relative to the projections' when a prompt chunk attends to its
+    context (``EngineConfig.attention_context``). CPU with the engine's kernels: the span kernel
+    runs at ~0.6 of the float32 linear kernel's rate on the default model (264 against 430
+    GFLOP/s on two cores); CPU SDPA at 0.25-0.4, where 0.4 gave passes of near equal cost
+    (docs/benchmarks.md, "Attention-weighted chunks"). Elsewhere assumed equal (not measured)."""
+    if device.type != "cpu":
+        return 1.0
+    return 0.6 if native else 0.4
 
 
 def _speculative_draft(
@@ -92,17 +97,6 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
-        budget = config.max_num_batched_tokens
-        if not config.enable_chunked_prefill:  # a whole prompt must fit in one pass
-            budget = max(budget, self.max_model_len)
-        context = config.attention_context
-        if context is None:
-            efficiency = ATTENTION_EFFICIENCY.get(device.type, 1.0)
-            context = CostModel.of(mcfg).attention_context(mcfg, efficiency)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, budget, config.enable_chunked_prefill, context),
-            self.block_manager,
-        )
         # A sidecar with a base delta (a model trained to exit) is merged into ``model`` here,
         # before the runner packs the weights: full depth then runs at the original's speed.
         self.exit_config, heads = load_exit_setup(
@@ -129,6 +123,17 @@ class LLMEngine:
             config.cpu_kernels,
             config.quantization,
             self.speculative_draft,
+        )
+        budget = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:  # a whole prompt must fit in one pass
+            budget = max(budget, self.max_model_len)
+        context = config.attention_context
+        if context is None:
+            efficiency = _attention_efficiency(device, self.runner.kv.native is not None)
+            context = CostModel.of(mcfg).attention_context(mcfg, efficiency)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, budget, config.enable_chunked_prefill, context),
+            self.block_manager,
         )
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, _Detok] = {}

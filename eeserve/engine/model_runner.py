@@ -179,7 +179,7 @@ class ModelRunner:
             last_rows.append(rows[-1])
         dev = self.device
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
-        meta = AttnMeta.build(spans, slot_t, self.kv.k.dtype)
+        meta = AttnMeta.build(spans, slot_t, self.kv.k.dtype, self.kv.rowwise_max_rows)
         return Batch(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

@@ -27,9 +27,8 @@ from eeserve.config import eeserve_home
 
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(
-    _CSRC / name for name in ("cpu_ops.cpp", "int8_ops.cpp", "f32_ops.cpp", "layer_ops.cpp")
-)
+_NAMES = ("cpu_ops.cpp", "int8_ops.cpp", "f32_ops.cpp", "layer_ops.cpp", "span_attention.cpp")
+SOURCES = tuple(_CSRC / name for name in _NAMES)
 HEADERS = (_CSRC / "tile_loop.h",)
 _lock = threading.Lock()
 
@@ -52,6 +51,20 @@ class NativeOps:
         """q [R, H, D] (one query per row, heads contiguous); k/v_cache [slots, Hkv, D]; slots
         [R, T] int64, the context of row r being slots[r, :lens[r]] (lens >= 1) -> [R, H, D]."""
         return self.ops.decode_attention(q, k_cache, v_cache, slots, lens, scale)  # type: ignore[no-any-return]
+
+    def span_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [n, H, D] (one sequence's queries, heads contiguous); k/v_cache [slots, Hkv, D];
+        slots [T] int64, its positions' slots; positions [n] int64, query i attending to
+        positions 0..positions[i] -> [n, H, D]."""
+        return self.ops.span_attention(q, k_cache, v_cache, slots, positions, scale)  # type: ignore[no-any-return]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.ops.rms_norm(x, weight, eps)  # type: ignore[no-any-return]

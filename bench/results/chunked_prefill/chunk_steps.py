@@ -1,7 +1,9 @@
-"""Per-step times: 8 decoding streams, then a long prompt arrives; chunked at budget B (0: off)
+"""Per-step times: 8 streams decoding at full depth, then a long prompt arrives; chunked at budget B (0: off)
 with attention_context K (0: plain token count). Prints decode median, each prefill step."""
 import dataclasses, sys, time, statistics as st, torch
 from eeserve import LLM, SamplingParams
+from eeserve.exit_params import ExitParams
+FULL = ExitParams(enabled=False)
 from eeserve.bench.arrivals import long_prompt_texts
 from eeserve.tuning.prompts import prompt_texts
 threads, budget, K = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
@@ -13,7 +15,7 @@ e = llm.engine
 e.scheduler.config = dataclasses.replace(e.scheduler.config, attention_context=K)
 sp = SamplingParams(max_tokens=3000, ignore_eos=True, temperature=0)
 for p in prompt_texts(8, 0, "bench", max_chars=400):
-    e.add_request(p, sp)
+    e.add_request(p, sp, exit_params=FULL)
 for _ in range(4): e.step()
 def decode_median():
     dec = []
@@ -24,7 +26,7 @@ res = []
 for rep in range(2):
     d0 = decode_median()
     t0 = time.perf_counter()
-    e.add_request(long_prompt_texts(1, chars, rep)[0], SamplingParams(max_tokens=1, ignore_eos=True))
+    e.add_request(long_prompt_texts(1, chars, rep)[0], SamplingParams(max_tokens=1, ignore_eos=True), exit_params=FULL)
     steps = []
     long_seq = None
     while len(e.scheduler.running) > 8 or e.scheduler.waiting:
