@@ -167,6 +167,29 @@ def test_outputs_equal_unchunked_with_long_prompts(tiny_varied_dir: Path) -> Non
         assert_same_completion(x, y)
 
 
+def test_chunks_short_of_the_last_token_skip_the_lm_head(tiny_varied_dir: Path) -> None:
+    """A 47-token prompt in passes of 12: only the pass that samples runs the LM head, and for
+    that one row only, beside a decoding sequence too."""
+    llm = engine(tiny_varied_dir, True, enable_prefix_caching=False)
+    rows: list[int] = []
+    head = llm.engine.runner.lm_head
+    hook = head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
+    prompt = prompts(llm)[3]
+    llm.generate([prompt], greedy(1), use_tqdm=False)
+    assert rows == [1]
+    rows.clear()
+    engine_ = llm.engine
+    engine_.add_request(prompts(llm)[0], greedy(8))
+    engine_.step()  # the short prompt, whole
+    engine_.add_request(prompt, greedy(1))
+    while engine_.has_unfinished_requests():
+        engine_.step()
+    hook.remove()
+    # One row per sampled token (the short prompt's first, its 7 decodes, the long prompt's
+    # first), so never a row of a chunk that samples nothing; the last chunk's pass has two.
+    assert sum(rows) == 1 + 7 + 1 and rows.count(2) == 1
+
+
 def test_prefix_cache_hit_ending_inside_a_chunk(tiny_varied_dir: Path) -> None:
     on = engine(tiny_varied_dir, True)
     off = engine(tiny_varied_dir, False, enable_prefix_caching=False)

@@ -199,9 +199,17 @@ class ModelRunner:
         h_last = h[rows[0] :] if rows == list(range(rows[0], h.shape[0])) else h[rows]
         return self.model.final_norm(h_last), h.shape[0] * self.config.num_layers
 
-    def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """[S, D] final-normed hidden -> [S, V] float32 logits."""
-        return self.lm_head(normed).float()  # type: ignore[no-any-return]
+    def logits(self, normed: torch.Tensor, live: list[bool] | None = None) -> torch.Tensor:
+        """[S, D] final-normed hidden -> [S, V] float32 logits. Rows not ``live`` (a prompt chunk
+        short of its last token: nothing reads them) stay zero rather than pay a pass over the
+        LM head's weights (~4 ms on CPU for a chunk alone)."""
+        if live is None or all(live):
+            return self.lm_head(normed).float()  # type: ignore[no-any-return]
+        out = torch.zeros(len(live), self.config.vocab_size, device=normed.device)
+        rows = [i for i, ok in enumerate(live) if ok]
+        if rows:
+            out[rows] = self.lm_head(normed[rows]).float()
+        return out
 
     def _exit_batch(
         self, seqs: list[Sequence], batch: Batch, sampling: list[bool]
@@ -314,7 +322,7 @@ class ModelRunner:
         eb = self._exit_batch(seqs, batch, sampling)
         if eb is None:
             normed, layers_run = self.forward(batch)
-            logits = self.logits(normed)
+            logits = self.logits(normed, sampling)
             exit_layers, confs = [full] * len(seqs), [1.0] * len(seqs)
         else:
             h = self.model.embed(batch.input_ids)
