@@ -452,9 +452,10 @@ def test_disconnect_aborts_and_frees_blocks(server: Server, http: httpx.Client) 
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: {") for line in got)
         assert _metrics(http)["eeserve_kv_blocks_used"] > 0
-    # A whole-response request whose client gives up waiting is aborted as well.
+    # A whole-response request whose client gives up waiting is aborted as well (50 ms: the
+    # 4 x 248 tokens take ~250 steps, each well over 0.2 ms).
     with pytest.raises(httpx.ReadTimeout):
-        http.post("/v1/completions", json={**body, "n": n}, timeout=0.2)
+        http.post("/v1/completions", json={**body, "n": n}, timeout=0.05)
     after = _wait_idle(http)
     assert after["eeserve_kv_blocks_used"] == 0
     assert after["eeserve_num_requests_running"] == 0
@@ -519,6 +520,36 @@ def test_graceful_shutdown(tiny_model_dir: Path) -> None:
 
 
 # -- in-process: the engine loop ----------------------------------------------------------------
+
+
+def test_build_engine_loads_off_the_calling_thread_and_raises_its_errors(
+    tiny_model_dir: Path,
+) -> None:
+    import threading
+
+    from eeserve.config import EngineConfig
+    from eeserve.engine import llm_engine
+    from eeserve.sampling_params import SamplingParams
+    from eeserve.server.engine_loop import build_engine
+
+    threads: list[str] = []
+    real = llm_engine.LLMEngine.__init__
+
+    def spy(self: Any, config: EngineConfig) -> None:
+        threads.append(threading.current_thread().name)
+        real(self, config)
+
+    llm_engine.LLMEngine.__init__ = spy  # type: ignore[method-assign]
+    try:
+        engine = build_engine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=4_000_000))
+        with pytest.raises(ValueError, match="not found"):
+            build_engine(EngineConfig(model=str(tiny_model_dir / "missing")))
+    finally:
+        llm_engine.LLMEngine.__init__ = real  # type: ignore[method-assign]
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=1))
+    assert engine.step()[0].outputs[0].token_ids
+    assert len(threads) == 2 and threading.current_thread().name not in threads
+    assert not any(t.name.startswith("eeserve-load") for t in threading.enumerate())
 
 
 def test_engine_loop_drain_fails_running_requests(tiny_model_dir: Path) -> None:

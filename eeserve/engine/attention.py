@@ -13,7 +13,7 @@ early; sequences with no row left drop out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,17 @@ class SeqSpan:
     # native kernel; [1, 1, n, ctx_len] additive causal mask for SDPA over a cached prefix.
     positions: torch.Tensor | None = None
     key_bias: torch.Tensor | None = None
+    row_slice: slice | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        # The rows as a slice when they are consecutive and ascending (a prompt, a decode step);
+        # the exit loop's subsets may list them in another order.
+        r0, n = self.rows[0], len(self.rows)
+        self.row_slice = slice(r0, r0 + n) if self.rows == list(range(r0, r0 + n)) else None
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The span's rows of ``x``, in the span's order."""
+        return x[self.row_slice] if self.row_slice is not None else x[self.rows]
 
 
 # Spans of at most this many query rows (decode steps, also with owed ``recompute`` positions or
@@ -146,13 +157,17 @@ class PagedKVCache:
         rowwise = meta.rowwise or []
         if rowwise and all(rowwise):
             return self._attend_rows(layer, q, meta, None).view(n, heads * hd)
+        if not rowwise and len(meta.spans) == 1 and meta.spans[0].row_slice == slice(0, n):
+            return self._attend_span(layer, q, k, v, meta.spans[0])  # a prompt (chunk) alone
         out = torch.empty(n, heads * hd, dtype=q.dtype, device=q.device)
         if any(rowwise):
             idx = torch.tensor([r for r, w in enumerate(rowwise) if w], device=q.device)
             out[idx] = self._attend_rows(layer, q[idx], meta, idx).view(len(idx), heads * hd)
         for s in meta.spans:
             if not rowwise or not rowwise[s.rows[0]]:
-                out[s.rows] = self._attend_span(layer, q, k, v, s)
+                out[s.row_slice if s.row_slice is not None else s.rows] = self._attend_span(
+                    layer, q, k, v, s
+                )
         return out
 
     def _attend_rows(
@@ -180,8 +195,8 @@ class PagedKVCache:
     def _attend_span(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: SeqSpan
     ) -> torch.Tensor:
-        rows = s.rows
-        qs = q[rows[0] : rows[-1] + 1] if _contiguous(rows) else q[rows]  # [n, H, hd]
+        n = len(s.rows)
+        qs = s.take(q)  # [n, H, hd]
         if self.native is not None:
             # The span's own K/V were written above, so the pool holds its whole context.
             if s.positions is None:
@@ -189,12 +204,12 @@ class PagedKVCache:
             o = self.native.span_attention(
                 qs, self.k[layer], self.v[layer], s.context_slots, s.positions, self.scale
             )
-            return o.view(len(rows), -1)
+            return o.view(n, -1)
         qs = qs.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
         if s.fresh:
             # Whole sequence in this pass: its own K/V are the context, plain causal attention.
-            ks = k[rows[0] : rows[-1] + 1].transpose(0, 1).unsqueeze(0)
-            vs = v[rows[0] : rows[-1] + 1].transpose(0, 1).unsqueeze(0)
+            ks = s.take(k).transpose(0, 1).unsqueeze(0)
+            vs = s.take(v).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
             slots = s.context_slots
@@ -205,7 +220,7 @@ class PagedKVCache:
             if s.key_bias is None:
                 s.key_bias = _causal_bias(s, q.dtype)
             o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=s.key_bias, enable_gqa=True)
-        return o.squeeze(0).transpose(0, 1).reshape(len(rows), -1)
+        return o.squeeze(0).transpose(0, 1).reshape(n, -1)
 
 
 def _causal_bias(s: SeqSpan, dtype: torch.dtype) -> torch.Tensor:
@@ -216,7 +231,3 @@ def _causal_bias(s: SeqSpan, dtype: torch.dtype) -> torch.Tensor:
     hidden = torch.arange(len(s.context_slots), device=dev)[None, :] > qpos[:, None]  # [n, T]
     bias = torch.zeros(hidden.shape, dtype=dtype, device=dev).masked_fill_(hidden, float("-inf"))
     return bias[None, None]
-
-
-def _contiguous(rows: list[int]) -> bool:
-    return rows[-1] - rows[0] + 1 == len(rows)

@@ -21,9 +21,9 @@ from typing import Any
 
 import uvicorn
 
-from eeserve.engine.llm_engine import LLMEngine
 from eeserve.engine_args import add_engine_args, engine_config
 from eeserve.server.app import create_app
+from eeserve.server.engine_loop import build_engine
 from eeserve.server.replicas import run_replicas
 
 DESCRIPTION = (
@@ -99,7 +99,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return run_replicas(args)
     if args.ray_address is not None:
         raise ValueError("--ray-address needs --replicas")
-    engine = LLMEngine(engine_config(args))
+    engine = build_engine(engine_config(args))
     app = create_app(
         engine,
         model_names=args.served_model_name or [args.model],

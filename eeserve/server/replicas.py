@@ -33,9 +33,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp
 
 from eeserve.config import EngineConfig
-from eeserve.engine.llm_engine import LLMEngine
 from eeserve.engine_args import engine_config
 from eeserve.server.app import create_app
+from eeserve.server.engine_loop import build_engine
 from eeserve.server.metrics import ServerMetrics
 from eeserve.server.replica_metrics import MetricsHub, merge_pages
 
@@ -91,7 +91,7 @@ class EngineReplica:
     def __init__(self, opts: ReplicaOptions) -> None:
         ray = import_ray("serve")
         torch.set_num_threads(opts.threads)
-        engine = LLMEngine(EngineConfig(**opts.engine))
+        engine = build_engine(EngineConfig(**opts.engine))
         self._replica = ray.serve.get_replica_context().replica_id.unique_id
         self._hub = ray.get_actor(HUB_NAME, namespace=NAMESPACE)
         self._asgi = create_app(

@@ -217,11 +217,12 @@ void span_task(const SpanArgs& a, const T* q, const T* kc, const T* vc, T* out, 
 template <typename T, int DV>
 void span_attention_kernel(const SpanArgs& a, const T* q, const T* kc, const T* vc, T* out) {
   const int64_t tiles = (a.n + QR - 1) / QR, tasks = tiles * a.Hkv;
-  // Threads take contiguous ranges of tasks; tiles alternate first/last so that every range
-  // mixes early (short-context) and late (long-context) rows of a causal prompt.
+  // Threads take contiguous ranges of tasks, K/V head by K/V head (a head's context stays in the
+  // core's cache across its tiles); within a head, tiles alternate first/last so that every
+  // range mixes early (short-context) and late (long-context) rows of a causal prompt.
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / a.Hkv, h = task % a.Hkv;
+      const int64_t h = task / tiles, i = task % tiles;
       const int64_t tile = i % 2 == 0 ? i / 2 : tiles - 1 - i / 2;
       span_task<T, DV>(a, q, kc, vc, out, h, tile * QR, std::min(a.n, (tile + 1) * QR));
     }
