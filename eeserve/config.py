@@ -24,6 +24,10 @@ KV_FILL_STRATEGIES = ("fill", "recompute")
 QUANTIZATIONS = ("int8",)
 SPECULATIVE_DRAFTS = ("auto", *DRAFT_SOURCES)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Positions per forward pass unless set: on two CPU cores a pass of 8 decode rows and a prompt
+# chunk within this budget keeps the streams' largest gap within ~4x of a decode step
+# (docs/benchmarks.md, "Session 8").
+DEFAULT_BATCHED_TOKENS = 128
 
 
 @dataclass
@@ -36,8 +40,9 @@ class EngineConfig:
     kv_cache_memory: float = 512 * 2**20
     max_num_seqs: int = 64
     # Positions one forward pass computes at most. With chunked prefill, decode rows go first and
-    # prompts fill the rest in chunks; without it, a whole prompt always fits in one pass.
-    max_num_batched_tokens: int = 256
+    # prompts fill the rest in chunks; without it, a whole prompt always fits in one pass. None:
+    # DEFAULT_BATCHED_TOKENS, or max_num_seqs + 64 where more sequences may decode at once.
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -61,11 +66,12 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.enable_chunked_prefill and self.max_num_batched_tokens <= self.max_num_seqs:
+            value = getattr(self, name)
+            if value is not None and int(value) < 1:
+                raise ValueError(f"{name} must be >= 1, got {value!r}")
+        if self.enable_chunked_prefill and self.batched_tokens() <= self.max_num_seqs:
             raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must exceed max_num_seqs "
+                f"max_num_batched_tokens ({self.batched_tokens()}) must exceed max_num_seqs "
                 f"({self.max_num_seqs}) with chunked prefill: decode rows come first and prompt "
                 "chunks would get no room"
             )
@@ -97,6 +103,12 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}"
             )
+
+    def batched_tokens(self) -> int:
+        """``max_num_batched_tokens``, or its default for ``max_num_seqs``."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(DEFAULT_BATCHED_TOKENS, self.max_num_seqs + 64)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

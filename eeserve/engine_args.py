@@ -31,8 +31,9 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=256,
-        help="positions per forward pass (prompts longer than this are prefilled in chunks)",
+        default=None,
+        help="positions per forward pass (prompts longer than this are prefilled in chunks); "
+        "default 128, or --max-num-seqs + 64 when that is more",
     )
     p.add_argument(
         "--enable-chunked-prefill",

@@ -124,7 +124,7 @@ class LLMEngine:
             config.quantization,
             self.speculative_draft,
         )
-        budget = config.max_num_batched_tokens
+        budget = config.batched_tokens()
         if not config.enable_chunked_prefill:  # a whole prompt must fit in one pass
             budget = max(budget, self.max_model_len)
         context = config.attention_context
