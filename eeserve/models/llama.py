@@ -145,11 +145,12 @@ class LlamaDecoderLayer(nn.Module):
 
         Separate from ``mlp_block`` because a ``layer`` exit head decides inside this layer."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(h), rot)
-        return h + self.self_attn.o_proj(attn(self.index, q, k, v))
+        # Added into the projection's fresh output: one allocation less per layer.
+        return self.self_attn.o_proj(attn(self.index, q, k, v)).add_(h)  # type: ignore[no-any-return]
 
     def mlp_block(self, h: torch.Tensor) -> torch.Tensor:
         """The MLP half: h_mid -> this layer's output hidden."""
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)  # type: ignore[no-any-return]
 
     def kv_from_hidden(self, h: torch.Tensor, rot: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V this layer would cache for a token whose input hidden state is ``h``."""
