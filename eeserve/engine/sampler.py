@@ -2,10 +2,10 @@
 
 Contract: ``Sampler.sample(logits [B, V], params, seq_ids)`` returns B token ids. Rows with
 temperature 0 take the argmax. Other rows are scaled, truncated by top-k then top-p (always keeping
-the most likely token) and drawn with the exponential-race trick (argmax of p / Exp(1)), which is
-an exact categorical draw. A request with a seed gets its own ``torch.Generator``, kept across
-steps (and across preemption) until ``release``, so its output is reproducible whatever else
-shares the batch.
+the most likely token) and drawn with the exponential-race trick (``race``: argmax of p / Exp(1)),
+which is an exact categorical draw. A request with a seed gets its own ``torch.Generator``, kept
+across steps (and across preemption) until ``release``, so its output is reproducible whatever
+else shares the batch.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ class Sampler:
         probs = self.probabilities(logits[rows], [params[i] for i in rows])
         for j, i in enumerate(rows):
             gen = self.generator(seq_ids[i], params[i].seed, logits.device)
-            race = torch.empty_like(probs[j]).exponential_(generator=gen)
-            tokens[i] = (probs[j] / race).argmax()
+            tokens[i] = race(probs[j], gen)
         return tokens
 
     def generator(
@@ -69,6 +68,15 @@ class Sampler:
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         return logits.softmax(dim=-1)
+
+
+def race(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One categorical draw from unnormalised ``weights`` [V]: argmax of w / Exp(1), each
+    exponential drawn as -log(U). torch's ``exponential_`` took 0.75 ms per 49,152-entry row on
+    CPU against 0.1 ms for the uniforms, ~5 ms of a batch-8 sampled step. (U = 0, one chance in
+    2^24 per entry, makes that entry lose its race: a bias far below float32's resolution.)"""
+    u = torch.rand(weights.shape, generator=generator, device=weights.device)
+    return int((weights / u.log_().neg_()).argmax())
 
 
 def token_logprobs(logits: torch.Tensor, token: int, n: int) -> dict[int, float]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eeserve.engine.sampler import Sampler, token_logprobs
+from eeserve.engine.sampler import Sampler, race, token_logprobs
 from eeserve.sampling_params import SamplingParams
 
 # Two verifications in a row that accept nothing pause drafting for this many verified tokens.
@@ -143,14 +143,8 @@ def accept_sampled(
         residual = (p[i] - q[i]).clamp_min(0)
         if float(residual.sum()) <= 0:  # p == q up to rounding: any draw from p is exact
             residual = p[i]
-        return [*drafts[:i], _draw(residual, generator)], i
-    return [*drafts, _draw(p[len(drafts)], generator)], len(drafts)
-
-
-def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One categorical draw from unnormalised ``weights`` [V] (exponential race, as the sampler)."""
-    race = torch.empty_like(weights).exponential_(generator=generator)
-    return int((weights / race).argmax())
+        return [*drafts[:i], race(residual, generator)], i
+    return [*drafts, race(p[len(drafts)], generator)], len(drafts)
 
 
 class SpecDecoder:
