@@ -132,58 +132,44 @@ inline void block_values(const float* St, int64_t QVp, const float* const* vrow,
   }
 }
 
-// One task: K/V head h against query rows r0..r1 (their G heads each), online softmax over key
-// blocks up to the rows' last position.
-template <typename T, int DV>
-void span_task(const SpanArgs& a, const T* q, const T* kc, const T* vc, T* out, int64_t h,
-               int64_t r0, int64_t r1) {
-  const int64_t G = a.H / a.Hkv, D = a.D, QV = (r1 - r0) * G, QVp = (QV + 15) / 16 * 16;
-  std::vector<float> Qt(D * QVp, 0.f), St(KB * QVp), acc(QVp * D, 0.f);
-  std::vector<float> m(QVp, kMasked), l(QVp, 0.f), mx(QVp), corr(QVp), qpos(QVp);
-  std::vector<float> zero(D, 0.f), kbuf, vbuf;
-  if constexpr (!std::is_same_v<T, float>) {
-    kbuf.resize(KB * D);
-    vbuf.resize(KB * D);
-  }
-  const float* krow[KB];
-  const float* vrow[KB];
-  int64_t lo = a.pos[r0], hi = a.pos[r0];
-  for (int64_t r = r0; r < r1; ++r) {
-    lo = std::min(lo, a.pos[r]);
-    hi = std::max(hi, a.pos[r]);
-  }
-  for (int64_t qv = 0; qv < QVp; ++qv) {
-    // Padding lanes copy the last row's position: their (zero) scores stay finite.
-    const int64_t r = qv < QV ? r0 + qv / G : r1 - 1, g = qv % G;
-    qpos[qv] = static_cast<float>(a.pos[r]);
-    if (qv >= QV) continue;
-    const T* src = q + r * a.q_stride + (h * G + g) * D;
-    for (int64_t d = 0; d < D; ++d) Qt[d * QVp + qv] = static_cast<float>(src[d]) * a.scale;
-  }
-  for (int64_t k0 = 0; k0 <= hi; k0 += KB) {
-    const int64_t kn = std::min(KB, hi + 1 - k0);
-    for (int64_t t = 0; t < KB; ++t) {
-      if (t >= kn) {
-        krow[t] = vrow[t] = zero.data();
-        continue;
-      }
-      const int64_t off = (a.slots[k0 + t] * a.Hkv + h) * D;
-      if constexpr (std::is_same_v<T, float>) {
-        krow[t] = kc + off;
-        vrow[t] = vc + off;
-      } else {
-        for (int64_t d = 0; d < D; ++d) {
-          kbuf[t * D + d] = static_cast<float>(kc[off + d]);
-          vbuf[t * D + d] = static_cast<float>(vc[off + d]);
-        }
-        krow[t] = kbuf.data() + t * D;
-        vrow[t] = vbuf.data() + t * D;
-      }
+// Points krow/vrow at the key and value rows of K/V head h for positions k0..k0+kn-1 (in the
+// pool for float32, else converted into kbuf/vbuf); rows past kn point at zeros.
+template <typename T>
+void block_rows(const SpanArgs& a, const T* kc, const T* vc, int64_t h, int64_t k0, int64_t kn,
+                const float* zero, float* kbuf, float* vbuf, const float** krow,
+                const float** vrow) {
+  const int64_t D = a.D;
+  for (int64_t t = 0; t < KB; ++t) {
+    if (t >= kn) {
+      krow[t] = vrow[t] = zero;
+      continue;
     }
-    block_scores(Qt.data(), QVp, krow, St.data(), D);
-    if (k0 + KB - 1 > lo)  // some key of the block lies past some query: mask those
+    const int64_t off = (a.slots[k0 + t] * a.Hkv + h) * D;
+    if constexpr (std::is_same_v<T, float>) {
+      krow[t] = kc + off;
+      vrow[t] = vc + off;
+    } else {
+      for (int64_t d = 0; d < D; ++d) {
+        kbuf[t * D + d] = static_cast<float>(kc[off + d]);
+        vbuf[t * D + d] = static_cast<float>(vc[off + d]);
+      }
+      krow[t] = kbuf + t * D;
+      vrow[t] = vbuf + t * D;
+    }
+  }
+}
+
+// Online softmax over one block's scores St [KB][QVp] (keys k0.. of which kn exist): masks keys
+// past each query's position, turns the scores into weights exp(s - m), and rescales the running
+// max m, sum l and the accumulators acc [QV][D] to the new max.
+struct Softmax {
+  int64_t QV, QVp, D;
+  std::vector<float> m, l, mx, corr, qpos;
+
+  void update(float* St, int64_t k0, int64_t kn, bool diagonal, float* acc) {
+    if (diagonal)
       for (int64_t t = 0; t < KB; ++t) {
-        float* s = St.data() + t * QVp;
+        float* s = St + t * QVp;
         const float kpos = static_cast<float>(k0 + t);
         for (int64_t qv = 0; qv < QVp; ++qv) s[qv] = kpos > qpos[qv] ? kMasked : s[qv];
       }
@@ -196,7 +182,7 @@ void span_task(const SpanArgs& a, const T* q, const T* kc, const T* vc, T* out, 
       m[qv] = mx[qv];
     }
     for (int64_t t = 0; t < kn; ++t) {
-      float* s = St.data() + t * QVp;
+      float* s = St + t * QVp;
       for (int64_t qv = 0; qv < QVp; ++qv) {
         s[qv] = std::exp(s[qv] - mx[qv]);
         l[qv] += s[qv];
@@ -204,11 +190,42 @@ void span_task(const SpanArgs& a, const T* q, const T* kc, const T* vc, T* out, 
     }
     for (int64_t qv = 0; qv < QV; ++qv)
       for (int64_t d = 0; d < D; ++d) acc[qv * D + d] *= corr[qv];
+  }
+};
+
+// One task: K/V head h against query rows r0..r1 (their G heads each), online softmax over key
+// blocks up to the rows' last position.
+template <typename T, int DV>
+void span_task(const SpanArgs& a, const T* q, const T* kc, const T* vc, T* out, int64_t h,
+               int64_t r0, int64_t r1) {
+  const int64_t G = a.H / a.Hkv, D = a.D, QV = (r1 - r0) * G, QVp = (QV + 15) / 16 * 16;
+  std::vector<float> Qt(D * QVp, 0.f), St(KB * QVp), acc(QVp * D, 0.f), zero(D, 0.f);
+  std::vector<float> kbuf(std::is_same_v<T, float> ? 0 : KB * D), vbuf(kbuf.size());
+  Softmax sm{QV, QVp, D, std::vector<float>(QVp, kMasked), std::vector<float>(QVp, 0.f),
+             std::vector<float>(QVp), std::vector<float>(QVp), std::vector<float>(QVp)};
+  const float* krow[KB];
+  const float* vrow[KB];
+  const int64_t lo = *std::min_element(a.pos + r0, a.pos + r1);
+  const int64_t hi = *std::max_element(a.pos + r0, a.pos + r1);
+  for (int64_t qv = 0; qv < QVp; ++qv) {
+    // Padding lanes copy the last row's position: their (zero) scores stay finite.
+    const int64_t r = qv < QV ? r0 + qv / G : r1 - 1, g = qv % G;
+    sm.qpos[qv] = static_cast<float>(a.pos[r]);
+    if (qv >= QV) continue;
+    const T* src = q + r * a.q_stride + (h * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) Qt[d * QVp + qv] = static_cast<float>(src[d]) * a.scale;
+  }
+  for (int64_t k0 = 0; k0 <= hi; k0 += KB) {
+    const int64_t kn = std::min(KB, hi + 1 - k0);
+    block_rows<T>(a, kc, vc, h, k0, kn, zero.data(), kbuf.data(), vbuf.data(), krow, vrow);
+    block_scores(Qt.data(), QVp, krow, St.data(), D);
+    // Some key of the block lies past some query: mask those.
+    sm.update(St.data(), k0, kn, k0 + KB - 1 > lo, acc.data());
     block_values<DV>(St.data(), QVp, vrow, kn, acc.data(), QV, D);
   }
   for (int64_t qv = 0; qv < QV; ++qv) {
     const int64_t r = r0 + qv / G, g = qv % G;
-    const float inv = 1.f / l[qv];
+    const float inv = 1.f / sm.l[qv];
     T* dst = out + (r * a.H + h * G + g) * D;
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[qv * D + d] * inv);
   }
