@@ -58,6 +58,16 @@ ROWWISE_MAX_ROWS_NATIVE = 8
 
 
 @dataclass
+class RowSet:
+    """The row-wise rows of a pass and their slot table, indexed once per pass (not per layer)."""
+
+    idx: torch.Tensor | None  # [R] the rows; None: every row of the pass
+    slots: torch.Tensor  # [R, T]
+    lens: torch.Tensor  # [R]
+    bias: torch.Tensor | None  # [R, 1, 1, T] SDPA fallback mask, as AttnMeta.key_bias
+
+
+@dataclass
 class AttnMeta:
     slot_mapping: torch.Tensor  # [N] where each row's K/V goes
     spans: list[SeqSpan]
@@ -70,6 +80,21 @@ class AttnMeta:
     # [N, 1, 1, T] additive mask for the SDPA fallback, -inf past row_lens; None when no row is
     # padded. Additive in the cache dtype because CPU SDPA is ~25% slower with a bool mask.
     key_bias: torch.Tensor | None = None
+    _row_set: RowSet | None = field(default=None, repr=False)
+
+    def row_set(self) -> RowSet:
+        """The row-wise rows (built on first use, then shared by the pass's layers)."""
+        if self._row_set is None:
+            assert self.rowwise is not None
+            assert self.row_slots is not None and self.row_lens is not None
+            if all(self.rowwise):
+                self._row_set = RowSet(None, self.row_slots, self.row_lens, self.key_bias)
+            else:
+                rows = [r for r, w in enumerate(self.rowwise) if w]
+                idx = torch.tensor(rows, device=self.slot_mapping.device)
+                bias = None if self.key_bias is None else self.key_bias[idx]
+                self._row_set = RowSet(idx, self.row_slots[idx], self.row_lens[idx], bias)
+        return self._row_set
 
     @classmethod
     def build(
@@ -156,13 +181,13 @@ class PagedKVCache:
         n, heads, hd = q.shape
         rowwise = meta.rowwise or []
         if rowwise and all(rowwise):
-            return self._attend_rows(layer, q, meta, None).view(n, heads * hd)
+            return self._attend_rows(layer, q, meta.row_set()).view(n, heads * hd)
         if not rowwise and len(meta.spans) == 1 and meta.spans[0].row_slice == slice(0, n):
             return self._attend_span(layer, q, k, v, meta.spans[0])  # a prompt (chunk) alone
         out = torch.empty(n, heads * hd, dtype=q.dtype, device=q.device)
         if any(rowwise):
-            idx = torch.tensor([r for r, w in enumerate(rowwise) if w], device=q.device)
-            out[idx] = self._attend_rows(layer, q[idx], meta, idx).view(len(idx), heads * hd)
+            rs = meta.row_set()
+            out[rs.idx] = self._attend_rows(layer, q[rs.idx], rs).view(len(rs.lens), heads * hd)
         for s in meta.spans:
             if not rowwise or not rowwise[s.rows[0]]:
                 out[s.row_slice if s.row_slice is not None else s.rows] = self._attend_span(
@@ -170,15 +195,9 @@ class PagedKVCache:
                 )
         return out
 
-    def _attend_rows(
-        self, layer: int, q: torch.Tensor, meta: AttnMeta, idx: torch.Tensor | None
-    ) -> torch.Tensor:
-        """q [R, H, hd] of the row-wise rows ``idx`` (None: all rows) -> [R, H, hd]."""
-        assert meta.row_slots is not None and meta.row_lens is not None
-        slots, lens, bias = meta.row_slots, meta.row_lens, meta.key_bias
-        if idx is not None:
-            slots, lens = slots[idx], lens[idx]
-            bias = None if bias is None else bias[idx]
+    def _attend_rows(self, layer: int, q: torch.Tensor, rs: RowSet) -> torch.Tensor:
+        """q [R, H, hd] of the row-wise rows ``rs`` -> [R, H, hd]."""
+        slots, lens, bias = rs.slots, rs.lens, rs.bias
         if self.native is not None:
             return self.native.decode_attention(
                 q, self.k[layer], self.v[layer], slots, lens, self.scale
