@@ -152,9 +152,11 @@ class ModelRunner:
 
     # -- inputs ------------------------------------------------------------------------------
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+    def _context(self, seq: Sequence, end: int) -> torch.Tensor:
+        """[end] the slots of positions 0..end-1 (computed by block, not by position)."""
         bs = self.block_size
-        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+        blocks = torch.tensor(seq.block_table[: (end + bs - 1) // bs], dtype=torch.long)
+        return (blocks[:, None] * bs + torch.arange(bs)).view(-1)[:end]
 
     def prepare(self, seqs: list[Sequence], num_tokens: list[int], owed: bool = True) -> Batch:
         """Rows: each sequence's owed positions (``recompute`` debt; not with ``owed=False``),
@@ -172,8 +174,9 @@ class ModelRunner:
             all_ids = seq.token_ids
             ids.extend(all_ids[p] for p in pos)
             positions.extend(pos)
-            slots.extend(self._slots(seq, p, p + 1)[0] for p in pos)
-            context = torch.tensor(self._slots(seq, 0, end), dtype=torch.long)
+            bt, bs = seq.block_table, self.block_size
+            slots.extend(bt[p // bs] * bs + p % bs for p in pos)
+            context = self._context(seq, end)
             fresh = start == 0 and not seq.kv_debt
             spans.append(SeqSpan(rows, pos, context.to(self.device), fresh))
             last_rows.append(rows[-1])
