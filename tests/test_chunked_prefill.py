@@ -20,6 +20,7 @@ from eeserve import LLM, EngineConfig, ExitParams, RequestOutput, SamplingParams
 from eeserve.engine.block_manager import BlockManager
 from eeserve.engine.scheduler import Scheduler, SchedulerConfig, chunk_size
 from eeserve.engine.sequence import Sequence
+from eeserve.models.cost import CostModel
 from tests.test_engine_tiny import assert_same_completion
 from tests.tiny_model import kv_block_bytes, make_llm, random_prompt
 
@@ -116,6 +117,16 @@ def test_attention_context_shortens_late_chunks_within_the_budget() -> None:
     assert chunk_size(0, 100, 10, 0.0) == (10, 10.0)  # C = 0: a position counts one
     assert chunk_size(5, 3, 10, 0.0) == (3, 3.0)
     assert chunk_size(10_000, 50, 2.0, 40.0)[0] == 1  # at least one position, always
+
+
+def test_attention_context_default_follows_the_attention_kernel(tiny_varied_dir: Path) -> None:
+    """Unset, a position's attention is weighed at the span kernel's rate with the CPU kernels
+    (0.6 of the projections'), at SDPA's without them (0.4)."""
+    for kernels, efficiency in ((True, 0.6), (False, 0.4)):
+        llm = engine(tiny_varied_dir, True, cpu_kernels=kernels)
+        mcfg = llm.engine.model_config
+        expected = CostModel.of(mcfg).attention_context(mcfg, efficiency)
+        assert llm.engine.scheduler.config.attention_context == pytest.approx(expected)
 
 
 def test_chunked_prefill_needs_room_beyond_the_decode_rows() -> None:

@@ -92,6 +92,7 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.block_size = block_size
+        self._block_offsets = torch.arange(block_size)  # [bs]: a block's slots from its first
         self.device = device
         self.dtype = dtype
         native = load_native() if device.type == "cpu" and cpu_kernels else None
@@ -156,7 +157,7 @@ class ModelRunner:
         """[end] the slots of positions 0..end-1 (computed by block, not by position)."""
         bs = self.block_size
         blocks = torch.tensor(seq.block_table[: (end + bs - 1) // bs], dtype=torch.long)
-        return (blocks[:, None] * bs + torch.arange(bs)).view(-1)[:end]
+        return (blocks[:, None] * bs + self._block_offsets).view(-1)[:end]
 
     def prepare(self, seqs: list[Sequence], num_tokens: list[int], owed: bool = True) -> Batch:
         """Rows: each sequence's owed positions (``recompute`` debt; not with ``owed=False``),

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _NAMES = ("cpu_ops.cpp", "int8_ops.cpp", "f32_ops.cpp", "layer_ops.cpp", "span_attention.cpp")
 SOURCES = tuple(_CSRC / name for name in _NAMES)
-HEADERS = (_CSRC / "tile_loop.h",)
+HEADERS = (_CSRC / "tile_loop.h", _CSRC / "paged_checks.h")
 _lock = threading.Lock()
 
 

@@ -15,6 +15,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 
+#include "paged_checks.h"
+
 #include <algorithm>
 #include <type_traits>
 #include <cmath>
@@ -129,15 +131,8 @@ void decode_attention_kernel(const T* q, int64_t q_stride, const T* kc, const T*
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& slots,
                             const at::Tensor& lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q's heads must be contiguous");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the K/V pool must be contiguous");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong,
-              "slots and lens must be int64");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the K/V pool must share a dtype");
+  eeserve_checks::check_paged_attention(q, k_cache, v_cache, slots, lens, "slots and lens");
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0, "head shapes do not match");
   TORCH_CHECK(slots.size(0) == S && lens.size(0) == S, "one slot row and length per query row");
   auto sl = slots.contiguous();
   auto ln = lens.contiguous();

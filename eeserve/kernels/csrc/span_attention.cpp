@@ -20,6 +20,8 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
+#include "paged_checks.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -249,15 +251,9 @@ void span_attention_kernel(const SpanArgs& a, const T* q, const T* kc, const T* 
 at::Tensor span_attention(const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& slots,
                           const at::Tensor& positions, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q's heads must be contiguous");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the K/V pool must be contiguous");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
-              "slots and positions must be int64");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the K/V pool must share a dtype");
+  eeserve_checks::check_paged_attention(q, k_cache, v_cache, slots, positions,
+                                        "slots and positions");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0, "head shapes do not match");
   TORCH_CHECK(positions.numel() == n, "one position per query row");
   auto sl = slots.contiguous();
   auto pos = positions.contiguous();
