@@ -186,11 +186,11 @@ def test_layers_run_match_exit_telemetry(tiny_varied_dir: Path) -> None:
     for layer in llm.engine.runner.model.layers:
         layer.register_forward_pre_hook(count)
     fused = llm.engine.runner.stack.fused
-    if fused is not None:  # decode steps run whole layers in one kernel call, past the hooks
+    if fused is not None:  # passes run whole layers in one kernel call, past the hooks
         run = fused.run
 
         def counted(h: torch.Tensor, *args: Any) -> torch.Tensor:
-            start, end = args[7], args[8]  # LayerStack.run passes the layer range last
+            start, end = args[5], args[6]  # LayerStack.run passes the layer range last
             rows[0] += h.shape[0] * (end - start)
             return run(h, *args)
 

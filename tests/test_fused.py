@@ -65,34 +65,68 @@ def _cache(ops: NativeOps) -> PagedKVCache:
     return kv
 
 
-@pytest.mark.parametrize("kind", ["float32", "int8"])
-def test_fused_layers_equal_the_module_path(ops: NativeOps, kind: str) -> None:
-    model = _model(ops, kind)
-    fused = FusedDecoder.build(model, ops)
-    assert fused is not None
-    # Two decode rows: positions 5 and 9 of sequences whose contexts sit at slots 0.. and 40..
+def _decode_rows() -> AttnMeta:
+    """Two decode rows: positions 5 and 9 of sequences whose contexts sit at slots 0.. and 40..."""
     spans = [
         SeqSpan([0], [5], torch.arange(0, 6), False),
         SeqSpan([1], [9], torch.arange(40, 50), False),
     ]
-    meta = AttnMeta.build(spans, torch.tensor([5, 49]))
-    assert meta.rowwise == [True, True] and meta.row_slots is not None
-    cos, sin = rope_tables(CFG, 16)
-    pos = torch.tensor([5, 9])
-    h = torch.randn(2, CFG.hidden_size)
+    meta = AttnMeta.build(spans, torch.tensor([5, 49]), max_rows=8)
+    assert meta.rowwise == [True, True]
+    return meta
+
+
+def _mixed() -> AttnMeta:
+    """A decode row, a 12-row chunk (positions 4..15 after a cached prefix, slots 20..35), a
+    fresh 10-row prompt (slots 50..59) and a 3-row span attended row by row (positions 7..9)."""
+    chunk = torch.arange(20, 36)
+    spans = [
+        SeqSpan([0], [5], torch.arange(0, 6), False),
+        SeqSpan(list(range(1, 13)), list(range(4, 16)), chunk, False),
+        SeqSpan(list(range(13, 23)), list(range(10)), torch.arange(50, 60), True),
+        SeqSpan([23, 24, 25], [7, 8, 9], torch.arange(40, 50), False),
+    ]
+    slots = torch.cat([torch.tensor([5]), chunk[4:], torch.arange(50, 60), torch.arange(47, 50)])
+    meta = AttnMeta.build(spans, slots, max_rows=8)
+    assert meta.rowwise is not None and sum(meta.rowwise) == 4
+    return meta
+
+
+def _prompt() -> AttnMeta:
+    """A fresh prompt alone: one span over every row."""
+    return AttnMeta.build([SeqSpan(list(range(10)), list(range(10)), torch.arange(50, 60), True)],
+                          torch.arange(50, 60), max_rows=8)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+@pytest.mark.parametrize("pass_", [_decode_rows, _mixed, _prompt])
+def test_fused_layers_equal_the_module_path(ops: NativeOps, kind: str, pass_: object) -> None:
+    model = _model(ops, kind)
+    fused = FusedDecoder.build(model, ops)
+    assert fused is not None
+    meta = pass_()  # type: ignore[operator]
+    plan = meta.pass_attention()
+    assert plan is not None
+    pos = torch.tensor([p for s in meta.spans for p in s.q_positions])
+    cos, sin = (t[pos] for t in rope_tables(CFG, 16))
+    h = torch.randn(len(pos), CFG.hidden_size)
     ref_kv, got_kv = _cache(ops), _cache(ops)
     with torch.inference_mode():
         ref = h
         for layer in model.layers:
-            ref = layer(ref, Rotary(cos[pos], sin[pos]), partial(ref_kv.attend, meta=meta))
-        got = fused.run(h, cos[pos], sin[pos], got_kv.k, got_kv.v, meta.slot_mapping,
-                        meta.row_slots, meta.row_lens)  # fmt: skip
-        part = fused.run(h, cos[pos], sin[pos], _cache(ops).k, _cache(ops).v, meta.slot_mapping,
-                         meta.row_slots, meta.row_lens, start=0, end=2)  # fmt: skip
+            ref = layer(ref, Rotary(cos, sin), partial(ref_kv.attend, meta=meta))
+        got = fused.run(h, cos, sin, got_kv.k, got_kv.v, plan)
+        part = fused.run(h, cos, sin, _cache(ops).k, _cache(ops).v, plan, start=0, end=2)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-6 * ref.abs().max().item())
     torch.testing.assert_close(got_kv.k, ref_kv.k, rtol=0, atol=1e-6)
     torch.testing.assert_close(got_kv.v, ref_kv.v, rtol=0, atol=1e-6)
     assert not torch.equal(part, got)  # a layer range stops where asked
+
+
+def test_reordered_span_rows_take_the_module_path() -> None:
+    """An exit loop's subset may list a span's rows out of order: no plan for the kernel."""
+    spans = [SeqSpan([0, 2, 1, 3, *range(4, 12)], list(range(12)), torch.arange(12), True)]
+    assert AttnMeta.build(spans, torch.arange(12), max_rows=8).pass_attention() is None
 
 
 def test_no_fused_decoder_without_the_engine_kernels(ops: NativeOps) -> None:

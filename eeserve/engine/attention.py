@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from eeserve.kernels.fused import PassAttention
 from eeserve.kernels.native import NativeOps
 
 
@@ -48,11 +49,10 @@ class SeqSpan:
 
 
 # Spans of at most this many query rows (decode steps, also with owed ``recompute`` positions or
-# speculative drafts to verify) are attended row by row over the paged context, and a pass of
-# such rows only can run the fused decode layer; longer or fresh ones (prefills, prompt chunks)
-# per span, where the span's queries share each key they read. Through SDPA a span pays off
-# from ~64 rows; the native span kernel is faster than row by row from ~5 rows (2.7x at 17 rows
-# over 1,300 positions), so with it only short spans go row by row.
+# speculative drafts to verify) are attended row by row over the paged context; longer or fresh
+# ones (prefills, prompt chunks) per span, where the span's queries share each key they read.
+# Through SDPA a span pays off from ~64 rows; the native span kernel is faster than row by row
+# from ~5 rows (2.7x at 17 rows over 1,300 positions), so with it only short spans go row by row.
 ROWWISE_MAX_ROWS = 64
 ROWWISE_MAX_ROWS_NATIVE = 8
 
@@ -81,6 +81,7 @@ class AttnMeta:
     # padded. Additive in the cache dtype because CPU SDPA is ~25% slower with a bool mask.
     key_bias: torch.Tensor | None = None
     _row_set: RowSet | None = field(default=None, repr=False)
+    _fused: tuple[PassAttention | None] | None = field(default=None, repr=False)
 
     def row_set(self) -> RowSet:
         """The row-wise rows (built on first use, then shared by the pass's layers)."""
@@ -95,6 +96,42 @@ class AttnMeta:
                 bias = None if self.key_bias is None else self.key_bias[idx]
                 self._row_set = RowSet(idx, self.row_slots[idx], self.row_lens[idx], bias)
         return self._row_set
+
+    def pass_attention(self) -> PassAttention | None:
+        """The pass for the whole-layer kernel (built on first use, then shared by the pass's
+        layers); None when a span's rows are not consecutive (an exit loop's subset may list
+        them in another order), which only ``attend`` handles."""
+        if self._fused is None:
+            self._fused = (self._build_pass_attention(),)
+        return self._fused[0]
+
+    def _build_pass_attention(self) -> PassAttention | None:
+        rowwise = self.rowwise or [False] * len(self.slot_mapping)
+        spans = [s for s in self.spans if not rowwise[s.rows[0]]]
+        if any(s.row_slice is None for s in spans):
+            return None
+        if not spans:
+            rs = self.row_set()
+            return PassAttention(self.slot_mapping, None, rs.slots, rs.lens)
+        dev = self.slot_mapping.device
+        if any(rowwise):
+            rs = self.row_set()
+            idx, slots, lens = rs.idx, rs.slots, rs.lens
+        else:
+            idx = torch.zeros(0, dtype=torch.long, device=dev)
+            slots, lens = torch.zeros(0, 0, dtype=torch.long, device=dev), idx
+        for s in spans:
+            if s.positions is None:
+                s.positions = torch.tensor(s.q_positions, device=dev)
+        return PassAttention(
+            self.slot_mapping,
+            idx,
+            slots,
+            lens,
+            [s.rows[0] for s in spans],
+            [s.context_slots for s in spans],
+            [s.positions for s in spans],  # type: ignore[misc]
+        )
 
     @classmethod
     def build(

@@ -2,8 +2,8 @@
 
 Contract: ``LayerStack.run(h, rot, meta, start, end)`` computes layers [start, end) (0-based)
 for the rows of ``meta``, writing their K/V: through ``kernels.fused`` (one kernel call per
-layer) when every row is a decode row (``AttnMeta.rowwise`` everywhere) and the model's
-projections are on the engine's kernels, else through the model's modules with the cache's
+layer) when the model's projections are on the engine's kernels and every span's rows are
+consecutive (``AttnMeta.pass_attention``), else through the model's modules with the cache's
 ``attend``. Both give the same numbers (tests/test_fused.py). The runner's full-depth pass and the
 exit loop's layers between checks both go through here.
 """
@@ -29,12 +29,9 @@ class LayerStack:
         self, h: torch.Tensor, rot: Rotary, meta: AttnMeta, start: int, end: int
     ) -> torch.Tensor:
         """h [N, D], the input of layer ``start`` -> the output of layer ``end - 1``."""
-        if self.fused is not None and meta.rowwise and all(meta.rowwise):
-            assert meta.row_slots is not None and meta.row_lens is not None
-            return self.fused.run(
-                h, rot.cos, rot.sin, self.kv.k, self.kv.v,
-                meta.slot_mapping, meta.row_slots, meta.row_lens, start, end,
-            )  # fmt: skip
+        plan = meta.pass_attention() if self.fused is not None else None
+        if self.fused is not None and plan is not None:
+            return self.fused.run(h, rot.cos, rot.sin, self.kv.k, self.kv.v, plan, start, end)
         attn = partial(self.kv.attend, meta=meta)
         for layer in self.model.layers[start:end]:
             h = layer(h, rot, attn)

@@ -1,16 +1,18 @@
-"""Whole decoder layers in one kernel call each, for decode rows (``csrc/layer_ops.cpp``).
+"""Whole decoder layers in one kernel call each (``csrc/layer_ops.cpp``).
 
 Contract: ``FusedDecoder.build(model, ops)`` returns a decoder when every projection of the model
 runs on one of the engine's own linear kernels (``PackedLinear`` on float32 or ``Int8Linear``,
 with ``ops``) and its norms are the engine's, else None. ``run`` computes the layers
-``[start, end)`` for rows that are all decode rows (one query each, context in the paged pool,
-``AttnMeta.rowwise`` everywhere), writing their K/V as ``LlamaDecoderLayer.forward`` with the
-engine's attention would, with the same kernels in the same order: the same numbers, without the
-~15 Python calls per layer. Tensors come in plain (the pools, slot tables): this layer does not
-know the engine's cache classes.
+``[start, end)`` for the rows of a pass (decode rows attended one by one, prompts and prompt
+chunks as spans of consecutive rows: ``PassAttention``), writing their K/V as
+``LlamaDecoderLayer.forward`` with the engine's attention would, with the same kernels in the
+same order: the same numbers, without the ~15 Python calls per layer. Tensors come in plain (the
+pools, slot tables): this layer does not know the engine's cache classes.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +25,20 @@ from eeserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
+@dataclass
+class PassAttention:
+    """How the rows of a pass attend, as plain tensors: the row-wise rows (one query each) and
+    the spans (a prompt or a chunk of one: consecutive rows sharing their keys)."""
+
+    slot_mapping: torch.Tensor  # [R] where each row's K/V goes
+    row_idx: torch.Tensor | None  # [R'] the row-wise rows; None: every row (and no span)
+    row_slots: torch.Tensor  # [R', T] row r attends to row_slots[r, :row_lens[r]]
+    row_lens: torch.Tensor  # [R']
+    span_starts: list[int] = field(default_factory=list)  # a span's first row
+    span_slots: list[torch.Tensor] = field(default_factory=list)  # [ctx] its context's slots
+    span_positions: list[torch.Tensor] = field(default_factory=list)  # [n] its query positions
+
+
 def _projection(module: torch.nn.Module) -> Projection | None:
     if isinstance(module, PackedLinear) and module.ops is not None:
         return module.packed, None, module.bias
@@ -32,7 +48,7 @@ def _projection(module: torch.nn.Module) -> Projection | None:
 
 
 def _layer_weights(layer: LlamaDecoderLayer, eps: float) -> tuple[object, ...] | None:
-    """The layer's static arguments of ``decode_layer`` (norms, eps, then each projection's
+    """The layer's static arguments of ``decoder_layer`` (norms, eps, then each projection's
     weight and scales, and the fused QKV's bias), or None when the kernel cannot run it."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -77,17 +93,17 @@ class FusedDecoder:
         sin: torch.Tensor,
         k_pool: torch.Tensor,  # [layers, slots, Hkv, head_dim]
         v_pool: torch.Tensor,
-        slot_mapping: torch.Tensor,  # [R]
-        row_slots: torch.Tensor,  # [R, T]
-        row_lens: torch.Tensor,  # [R]
+        attn: PassAttention,
         start: int = 0,
         end: int | None = None,
     ) -> torch.Tensor:
-        op = self.ops.decode_layer
+        op = self.ops.decoder_layer
+        a = attn
         for i in range(start, len(self.layers) if end is None else end):
             h = op(
                 h, *self.layers[i], cos, sin, k_pool[i], v_pool[i],
-                slot_mapping, row_slots, row_lens,
+                a.slot_mapping, a.row_idx, a.row_slots, a.row_lens,
+                a.span_starts, a.span_slots, a.span_positions,
                 self.num_heads, self.num_kv_heads, self.intermediate, self.scale,
             )  # fmt: skip
         return h

@@ -89,9 +89,9 @@ class NativeOps:
         ``quant.pack_int8``'s layout; bias [N] float32 or None -> [M, N] in x's dtype."""
         return self.ops.int8_linear(x, qweight, scale, bias, out_features)  # type: ignore[no-any-return]
 
-    def decode_layer(self, *args: object) -> torch.Tensor:
-        """One whole decoder layer for decode rows; the arguments of ``csrc/layer_ops.cpp``."""
-        return self.ops.decode_layer(*args)  # type: ignore[no-any-return]
+    def decoder_layer(self, *args: object) -> torch.Tensor:
+        """One whole decoder layer for a pass's rows; the arguments of ``csrc/layer_ops.cpp``."""
+        return self.ops.decoder_layer(*args)  # type: ignore[no-any-return]
 
     def f32_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int

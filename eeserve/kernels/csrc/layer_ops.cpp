@@ -1,17 +1,20 @@
-// eeserve CPU kernel: one whole Llama decoder layer for decode rows, in one call.
+// eeserve CPU kernel: one whole Llama decoder layer for the rows of a pass, in one call.
 //
-// Contract: decode_layer(h [R, D] float32, ...) -> the layer's output hidden [R, D], computing
+// Contract: decoder_layer(h [R, D] float32, ...) -> the layer's output hidden [R, D], computing
 // exactly what models/llama.py's LlamaDecoderLayer does through the engine's other ops (rms_norm,
-// rotary_, decode_attention, silu_mul and the linear kernels, called through the dispatcher), in
-// the same order: h_mid = h + o(attn(rotary(qkv(norm1(h))))), out = h_mid + down(silu_mul(
-// gate_up(norm2(h_mid)))). Each projection is either float32 in packing.pack_blocks's layout
-// (its scale undefined: f32_linear) or int8 in quant.pack_int8's layout with its scales
-// (int8_linear). The rows' new K/V are written at slot_mapping before attention; row r attends to
-// row_slots[r, :row_lens[r]] (every row is a decode row: one query, context in the pool).
+// rotary_, decode_attention, span_attention, silu_mul and the linear kernels, called through the
+// dispatcher), in the same order: h_mid = h + o(attn(rotary(qkv(norm1(h))))), out = h_mid +
+// down(silu_mul(gate_up(norm2(h_mid)))). Each projection is either float32 in
+// packing.pack_blocks's layout (its scale undefined: f32_linear) or int8 in quant.pack_int8's
+// layout with its scales (int8_linear). The rows' new K/V are written at slot_mapping before
+// attention, which is engine/attention.py's PagedKVCache.attend: the row-wise rows (row_idx, or
+// every row when row_idx is undefined and there is no span) attend one query each, row r to
+// row_slots[r, :row_lens[r]]; span i (a prompt or a chunk of one) is the consecutive rows from
+// span_starts[i], its queries at span_positions[i] over the context span_slots[i].
 //
-// Why: at one decode row a layer is ~15 small operations, each a Python call through the module
-// tree, so the default model's batch-1 step spent 1.5-3 ms in Python between kernels (measured
-// with the torch profiler, docs/cpu-performance.md): as much as all its attention and norms.
+// Why: a layer is ~15 small operations, each a Python call through the module tree: the default
+// model's batch-1 decode step spent 1.5-3 ms in Python between kernels (docs/cpu-performance.md),
+// and a pass of a prompt chunk beside decode rows ~10 ms.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -37,28 +40,57 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptT& scale, 
   return op.call(x, w, bias, n);
 }
 
-at::Tensor decode_layer(const at::Tensor& h, const at::Tensor& norm1, const at::Tensor& norm2, double eps,
-                        const at::Tensor& qkv_w, const OptT& qkv_s, const OptT& qkv_b, const at::Tensor& o_w,
-                        const OptT& o_s, const at::Tensor& gate_up_w, const OptT& gate_up_s,
-                        const at::Tensor& down_w, const OptT& down_s, const at::Tensor& cos,
-                        const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& slot_mapping, const at::Tensor& row_slots,
-                        const at::Tensor& row_lens, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t intermediate, double scale) {
+// Attention of the pass's queries q [R, H, hd] (rows strided), as PagedKVCache.attend.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const OptT& row_idx, const at::Tensor& row_slots, const at::Tensor& row_lens,
+                     at::IntArrayRef span_starts, at::TensorList span_slots,
+                     at::TensorList span_positions, double scale) {
+  using AttnFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, double);
+  static auto rows = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("eeserve::decode_attention", "")
+                         .typed<AttnFn>();
+  static auto span = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("eeserve::span_attention", "")
+                         .typed<AttnFn>();
+  const int64_t S = static_cast<int64_t>(span_starts.size());
+  TORCH_CHECK(static_cast<int64_t>(span_slots.size()) == S && static_cast<int64_t>(span_positions.size()) == S,
+              "decoder_layer: one start, context and positions per span");
+  if (S == 0 && !row_idx.has_value()) return rows.call(q, k_cache, v_cache, row_slots, row_lens, scale);
+  TORCH_CHECK(row_idx.has_value() || row_slots.size(0) == 0, "decoder_layer: row_idx with spans");
+  if (S == 1 && row_slots.size(0) == 0 && span_starts[0] == 0 && span_positions[0].numel() == q.size(0))
+    return span.call(q, k_cache, v_cache, span_slots[0], span_positions[0], scale);  // a prompt alone
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (row_slots.size(0) > 0)
+    out.index_copy_(0, *row_idx, rows.call(q.index_select(0, *row_idx), k_cache, v_cache, row_slots, row_lens, scale));
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t n = span_positions[i].numel();
+    TORCH_CHECK(span_starts[i] >= 0 && span_starts[i] + n <= q.size(0), "decoder_layer: a span past the rows");
+    out.narrow(0, span_starts[i], n)
+        .copy_(span.call(q.narrow(0, span_starts[i], n), k_cache, v_cache, span_slots[i], span_positions[i], scale));
+  }
+  return out;
+}
+
+at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& norm1, const at::Tensor& norm2, double eps,
+                         const at::Tensor& qkv_w, const OptT& qkv_s, const OptT& qkv_b, const at::Tensor& o_w,
+                         const OptT& o_s, const at::Tensor& gate_up_w, const OptT& gate_up_s,
+                         const at::Tensor& down_w, const OptT& down_s, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& slot_mapping, const OptT& row_idx, const at::Tensor& row_slots,
+                         const at::Tensor& row_lens, at::IntArrayRef span_starts, at::TensorList span_slots,
+                         at::TensorList span_positions, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t intermediate, double scale) {
   static auto rms = c10::Dispatcher::singleton()
                         .findSchemaOrThrow("eeserve::rms_norm", "")
                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
   static auto rot = c10::Dispatcher::singleton()
                         .findSchemaOrThrow("eeserve::rotary_", "")
                         .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&)>();
-  static auto attn = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("eeserve::decode_attention", "")
-                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           const at::Tensor&, const at::Tensor&, double)>();
   static auto act = c10::Dispatcher::singleton()
                         .findSchemaOrThrow("eeserve::silu_mul", "")
                         .typed<at::Tensor(const at::Tensor&)>();
-  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat, "decode_layer: h [R, D] float32");
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat, "decoder_layer: h [R, D] float32");
   const int64_t R = h.size(0), D = h.size(1), hd = k_cache.size(2);
   const int64_t heads = num_heads + 2 * num_kv_heads;
   at::Tensor qkv = project(rms.call(h, norm1, eps), qkv_w, qkv_s, qkv_b, heads * hd).view({R, heads, hd});
@@ -69,7 +101,9 @@ at::Tensor decode_layer(const at::Tensor& h, const at::Tensor& norm1, const at::
   k_cache.index_copy_(0, slot_mapping, k);
   v_cache.index_copy_(0, slot_mapping, v);
   const at::Tensor q = qkv.narrow(1, 0, num_heads);
-  const at::Tensor o = attn.call(q, k_cache, v_cache, row_slots, row_lens, scale).view({R, num_heads * hd});
+  const at::Tensor o = attention(q, k_cache, v_cache, row_idx, row_slots, row_lens, span_starts, span_slots,
+                                 span_positions, scale)
+                           .view({R, num_heads * hd});
   // Residuals added into the projections' fresh outputs: no extra allocation per layer.
   const at::Tensor mid = project(o, o_w, o_s, c10::nullopt, D).add_(h);
   const at::Tensor gu = project(rms.call(mid, norm2, eps), gate_up_w, gate_up_s, c10::nullopt, 2 * intermediate);
@@ -80,11 +114,12 @@ at::Tensor decode_layer(const at::Tensor& h, const at::Tensor& norm1, const at::
 
 TORCH_LIBRARY_FRAGMENT(eeserve, m) {
   m.def(
-      "decode_layer(Tensor h, Tensor norm1, Tensor norm2, float eps, Tensor qkv_w, Tensor? qkv_s, "
+      "decoder_layer(Tensor h, Tensor norm1, Tensor norm2, float eps, Tensor qkv_w, Tensor? qkv_s, "
       "Tensor? qkv_b, Tensor o_w, Tensor? o_s, Tensor gate_up_w, Tensor? gate_up_s, Tensor down_w, "
       "Tensor? down_s, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "Tensor slot_mapping, Tensor row_slots, Tensor row_lens, int num_heads, int num_kv_heads, "
+      "Tensor slot_mapping, Tensor? row_idx, Tensor row_slots, Tensor row_lens, int[] span_starts, "
+      "Tensor[] span_slots, Tensor[] span_positions, int num_heads, int num_kv_heads, "
       "int intermediate, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(eeserve, CPU, m) { m.impl("decode_layer", &decode_layer); }
+TORCH_LIBRARY_IMPL(eeserve, CPU, m) { m.impl("decoder_layer", &decoder_layer); }
