@@ -135,7 +135,7 @@ class ModelRunner:
         self.exit_policy = exit_policy
         self.kv_fill = kv_fill
         shared = exit_config is None or exit_config.head == "shared"
-        # Whole layers in one kernel call for decode-only steps (None: not every projection is on
+        # Whole layers in one kernel call for every pass (None: not every projection is on
         # the engine's kernels, e.g. bfloat16 through oneDNN, or no kernels).
         fused = FusedDecoder.build(model, native) if dtype == torch.float32 else None
         self.stack = LayerStack(model, self.kv, fused)
