@@ -10,13 +10,13 @@ the server drives this from its own loop.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from eeserve.config import EngineConfig
 from eeserve.engine.block_manager import BlockManager
+from eeserve.engine.detokenizer import Detokenizer
 from eeserve.engine.exits import ExitPlan, resolve_exit_plan
 from eeserve.engine.model_runner import ModelRunner, StepOutput
 from eeserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -57,12 +57,6 @@ def _speculative_draft(
     cpu = device.type == "cpu" and dtype == torch.float32 and config.cpu_kernels
     usable = cpu and config.quantization is None and config.exit_policy != "none"
     return exit_config.default_draft if usable and load_native() is not None else "exits"
-
-
-@dataclass
-class _Detok:
-    text: str = ""
-    checked: int = 0  # characters of ``text`` already searched for stop strings
 
 
 class LLMEngine:
@@ -136,7 +130,7 @@ class LLMEngine:
             self.block_manager,
         )
         self._seqs: dict[str, Sequence] = {}
-        self._detok: dict[str, _Detok] = {}
+        self._detok: dict[str, Detokenizer] = {}
         self._counter = 0
 
     # -- requests ----------------------------------------------------------------------------
@@ -187,7 +181,7 @@ class LLMEngine:
             prompt=prompt if isinstance(prompt, str) else None,
         )
         self._seqs[request_id] = seq
-        self._detok[request_id] = _Detok()
+        self._detok[request_id] = Detokenizer(self.tokenizer)
         self.scheduler.add(seq)
         return request_id
 
@@ -203,6 +197,7 @@ class LLMEngine:
         seq = self._seqs.get(request_id)
         if seq is not None:
             self._finish(seq, "abort")
+            self._detok.pop(request_id, None)  # no final output to hand it to
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -295,9 +290,9 @@ class LLMEngine:
         det = self._detok[seq.request_id]
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             # As in vLLM: the stop token ends the token ids but is left out of the text.
-            det.text = self._decode(seq.output_token_ids[:-1])
+            det.finish(seq.output_token_ids[:-1])
             return "stop"
-        det.text = self._decode(seq.output_token_ids)
+        det.update(seq.output_token_ids)
         if p.stop:
             longest = max(len(s) for s in p.stop)
             start = max(0, det.checked - longest + 1)
@@ -305,15 +300,11 @@ class LLMEngine:
             if found:
                 det.text = det.text[: min(found)]
                 return "stop"
-            # Trailing U+FFFD is an incomplete multi-byte character that the next token may turn
-            # into another character: search it again next time.
-            det.checked = len(det.text.rstrip("\ufffd"))
+            det.checked = len(det.text)
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            det.finish(seq.output_token_ids)
             return "length"
         return None
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
@@ -321,10 +312,10 @@ class LLMEngine:
         self._seqs.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        det = self._detok.get(seq.request_id, _Detok())
+        det = self._detok.get(seq.request_id)
         if seq.is_finished:
             self._detok.pop(seq.request_id, None)
-        text = det.text if seq.is_finished else det.text.rstrip("\ufffd")
+        text = det.text if det is not None else ""
         num_layers = self.model_config.num_layers
         n = len(seq.exit_layers)
         stats = ExitStats(
