@@ -25,9 +25,11 @@ QUANTIZATIONS = ("int8",)
 SPECULATIVE_DRAFTS = ("auto", *DRAFT_SOURCES)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Positions per forward pass unless set: on two CPU cores a pass of 8 decode rows and a prompt
-# chunk within this budget keeps the streams' largest gap within ~4x of a decode step
-# (docs/benchmarks.md, "Session 8").
-DEFAULT_BATCHED_TOKENS = 128
+# chunk within this budget keeps the streams' p99 gap within ~4x of a decode step
+# (docs/benchmarks.md, "Session 9"; 128 until decode steps got faster).
+DEFAULT_BATCHED_TOKENS = 112
+# Unset, the budget leaves prompts at least this many positions beside max_num_seqs decode rows.
+MIN_PROMPT_ROOM = 48
 
 
 @dataclass
@@ -41,7 +43,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     # Positions one forward pass computes at most. With chunked prefill, decode rows go first and
     # prompts fill the rest in chunks; without it, a whole prompt always fits in one pass. None:
-    # DEFAULT_BATCHED_TOKENS, or max_num_seqs + 64 where more sequences may decode at once.
+    # DEFAULT_BATCHED_TOKENS, or max_num_seqs + MIN_PROMPT_ROOM where more may decode at once.
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -108,7 +110,7 @@ class EngineConfig:
         """``max_num_batched_tokens``, or its default for ``max_num_seqs``."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return max(DEFAULT_BATCHED_TOKENS, self.max_num_seqs + 64)
+        return max(DEFAULT_BATCHED_TOKENS, self.max_num_seqs + MIN_PROMPT_ROOM)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -33,7 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
         type=int,
         default=None,
         help="positions per forward pass (prompts longer than this are prefilled in chunks); "
-        "default 128, or --max-num-seqs + 64 when that is more",
+        "default 112, or --max-num-seqs + 48 when that is more",
     )
     p.add_argument(
         "--enable-chunked-prefill",

@@ -133,9 +133,9 @@ def test_chunked_prefill_needs_room_beyond_the_decode_rows() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(max_num_seqs=64, max_num_batched_tokens=64)
     EngineConfig(max_num_seqs=64, max_num_batched_tokens=64, enable_chunked_prefill=False)
-    # Unset, the budget follows max_num_seqs where 128 would leave prompts no room.
-    assert EngineConfig().batched_tokens() == 128
-    assert EngineConfig(max_num_seqs=128).batched_tokens() == 192
+    # Unset, the budget follows max_num_seqs where 112 would leave prompts too little room.
+    assert EngineConfig().batched_tokens() == 112
+    assert EngineConfig(max_num_seqs=128).batched_tokens() == 176
     assert EngineConfig(max_num_seqs=128, max_num_batched_tokens=160).batched_tokens() == 160
     with pytest.raises(ValueError, match="attention_context"):
         EngineConfig(attention_context=-1.0)
