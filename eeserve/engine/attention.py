@@ -81,7 +81,8 @@ class AttnMeta:
     # padded. Additive in the cache dtype because CPU SDPA is ~25% slower with a bool mask.
     key_bias: torch.Tensor | None = None
     _row_set: RowSet | None = field(default=None, repr=False)
-    _fused: tuple[PassAttention | None] | None = field(default=None, repr=False)
+    # pass_attention's result once built (a 1-tuple: None inside means the kernel cannot run it).
+    _pass: tuple[PassAttention | None] | None = field(default=None, repr=False)
 
     def row_set(self) -> RowSet:
         """The row-wise rows (built on first use, then shared by the pass's layers)."""
@@ -101,9 +102,9 @@ class AttnMeta:
         """The pass for the whole-layer kernel (built on first use, then shared by the pass's
         layers); None when a span's rows are not consecutive (an exit loop's subset may list
         them in another order), which only ``attend`` handles."""
-        if self._fused is None:
-            self._fused = (self._build_pass_attention(),)
-        return self._fused[0]
+        if self._pass is None:
+            self._pass = (self._build_pass_attention(),)
+        return self._pass[0]
 
     def _build_pass_attention(self) -> PassAttention | None:
         rowwise = self.rowwise or [False] * len(self.slot_mapping)
@@ -120,17 +121,14 @@ class AttnMeta:
         else:
             idx = torch.zeros(0, dtype=torch.long, device=dev)
             slots, lens = torch.zeros(0, 0, dtype=torch.long, device=dev), idx
-        for s in spans:
+        positions: list[torch.Tensor] = []
+        for s in spans:  # shared with ``attend``'s span path, should a subset fall back to it
             if s.positions is None:
                 s.positions = torch.tensor(s.q_positions, device=dev)
+            positions.append(s.positions)
+        starts = [s.rows[0] for s in spans]
         return PassAttention(
-            self.slot_mapping,
-            idx,
-            slots,
-            lens,
-            [s.rows[0] for s in spans],
-            [s.context_slots for s in spans],
-            [s.positions for s in spans],  # type: ignore[misc]
+            self.slot_mapping, idx, slots, lens, starts, [s.context_slots for s in spans], positions
         )
 
     @classmethod

@@ -14,7 +14,7 @@
 //
 // Why: a layer is ~15 small operations, each a Python call through the module tree: the default
 // model's batch-1 decode step spent 1.5-3 ms in Python between kernels (docs/cpu-performance.md),
-// and a pass of a prompt chunk beside decode rows ~10 ms.
+// and a pass of a prompt chunk beside decode rows ~5 ms.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
