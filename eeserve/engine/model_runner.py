@@ -164,25 +164,25 @@ class ModelRunner:
         then its new positions."""
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[torch.Tensor] = []
         spans: list[SeqSpan] = []
         last_rows: list[int] = []
         for seq, n in zip(seqs, num_tokens):
             start = seq.num_computed_tokens
             end = start + n
-            pos = (sorted(seq.kv_debt) if owed else []) + list(range(start, end))
+            debt = sorted(seq.kv_debt) if owed else []
+            pos = debt + list(range(start, end))
             rows = list(range(len(ids), len(ids) + len(pos)))
             all_ids = seq.token_ids
             ids.extend(all_ids[p] for p in pos)
             positions.extend(pos)
-            bt, bs = seq.block_table, self.block_size
-            slots.extend(bt[p // bs] * bs + p % bs for p in pos)
             context = self._context(seq, end)
+            slots.extend([context[debt], context[start:end]] if debt else [context[start:end]])
             fresh = start == 0 and not seq.kv_debt
             spans.append(SeqSpan(rows, pos, context.to(self.device), fresh))
             last_rows.append(rows[-1])
         dev = self.device
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        slot_t = torch.cat(slots).to(dev)
         meta = AttnMeta.build(spans, slot_t, self.kv.k.dtype, self.kv.rowwise_max_rows)
         return Batch(
             torch.tensor(ids, dtype=torch.long, device=dev),
