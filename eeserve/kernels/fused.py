@@ -98,12 +98,11 @@ class FusedDecoder:
         end: int | None = None,
     ) -> torch.Tensor:
         op = self.ops.decoder_layer
-        a = attn
         for i in range(start, len(self.layers) if end is None else end):
             h = op(
                 h, *self.layers[i], cos, sin, k_pool[i], v_pool[i],
-                a.slot_mapping, a.row_idx, a.row_slots, a.row_lens,
-                a.span_starts, a.span_slots, a.span_positions,
+                attn.slot_mapping, attn.row_idx, attn.row_slots, attn.row_lens,
+                attn.span_starts, attn.span_slots, attn.span_positions,
                 self.num_heads, self.num_kv_heads, self.intermediate, self.scale,
             )  # fmt: skip
         return h
