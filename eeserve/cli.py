@@ -20,7 +20,7 @@ from eeserve.llm import chat_token_ids
 from eeserve.models.loader import fetch_default_model
 from eeserve.sampling_params import SamplingParams
 from eeserve.server import add_batch_parser, add_serve_parser
-from eeserve.tuning.calibrate_cmd import add_calibrate_parser
+from eeserve.tuning.calibrate import add_calibrate_parser
 from eeserve.tuning.cli import add_tune_parser
 
 

@@ -21,9 +21,9 @@ from eeserve.exit_params import ExitParams
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import load_sidecar
 from eeserve.sampling_params import SamplingParams
-from eeserve.tuning import calibrate_cmd
-from eeserve.tuning.calibrate_cmd import target_folder, with_calibration
-from eeserve.tuning.calibration import (
+from eeserve.tuning import calibrate as calibrate_cmd
+from eeserve.tuning.calibrate import target_folder, with_calibration
+from eeserve.tuning.ltt import (
     bentkus_pvalue,
     binom_cdf,
     check_candidate,

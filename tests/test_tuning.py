@@ -17,7 +17,8 @@ from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import build_exit_heads, load_exit_setup, load_sidecar, save_sidecar
 from eeserve.models.loader import load_model, packaged_sidecar
 from eeserve.tuning.data import Group, collect, text_groups
-from eeserve.tuning.heads import TuneOptions, init_heads, train_head, tune_layers
+from eeserve.tuning.heads import init_heads, train_head, tune_layers
+from eeserve.tuning.options import TuneOptions
 from eeserve.tuning.tune import _head_config, tune
 from tests.tiny_model import base_weight_hashes, make_llm, tiny_tune_options
 

@@ -280,7 +280,7 @@ def base_weight_hashes(folder: Path) -> dict[str, str]:
 
 def tiny_tune_options(folder: Path, cache: Path, exit_layers: list[int], **kw: Any) -> Any:
     """``TuneOptions`` sized for a tiny model: a few hundred tokens and steps, one thread."""
-    from eeserve.tuning.heads import TuneOptions
+    from eeserve.tuning.options import TuneOptions
 
     base: dict[str, Any] = dict(
         model=str(folder),

@@ -3,8 +3,9 @@
 Contract: for each dtype and batch size, the same fixed-length prompts (from ``tuning.prompts``)
 are generated greedily to the same length by this engine (prefix caching off, so repeats do not
 hit the cache) and by HF ``generate``; the median over repeats of generated tokens/s is printed
-with the ratio engine/HF, and everything is written as JSON. Early-exit sweeps (``bench.exits``)
-add policies and thresholds next to full depth with their quality against full depth.
+with the ratio engine/HF, and everything is written as JSON. Early-exit sweeps
+(``bench.exit_sweep``) add policies and thresholds next to full depth with their quality
+against full depth.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from eeserve.bench.exits import bench_exits
+from eeserve.bench.exit_sweep import bench_exits
 from eeserve.bench.measure import (
     machine_description,
     median_run,

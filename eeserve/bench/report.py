@@ -41,8 +41,8 @@ from eeserve.bench.report_config import ReportConfig, canonical_command, config_
 from eeserve.bench.report_md import render
 from eeserve.bench.report_peer import Peer, open_peer, peer_blocks, peer_rows
 from eeserve.bench.report_run import ReportRun, run_blocks
-from eeserve.bench.speculative import speculative_blocks, speculative_rows
-from eeserve.bench.speculative import warm_up as spec_warm_up
+from eeserve.bench.report_spec import speculative_blocks, speculative_rows
+from eeserve.bench.report_spec import warm_up as spec_warm_up
 
 
 def run_report(cfg: ReportConfig) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from eeserve.bench.plots import layer_axis
 from eeserve.bench.report_peer import peer_section
-from eeserve.bench.speculative import speculative_section
+from eeserve.bench.report_spec import speculative_section
 
 Row = dict[str, Any]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from eeserve.exit_params import DRAFT_SOURCES, MODES
 from eeserve.models.exit_heads import ADAPTERS
-from eeserve.tuning.heads import DEFAULT_ADAPTER, TRAIN_BASE, TuneOptions
+from eeserve.tuning.options import DEFAULT_ADAPTER, TRAIN_BASE, TuneOptions
 from eeserve.tuning.tune import tune
 
 _KNOBS = {  # TuneOptions fields set from the command line, with their help

@@ -293,7 +293,7 @@ def run_layers(
 ) -> torch.Tensor:
     """One pass over a chunk, appending the kept states to ``keep``; returns the last hidden.
 
-    Not itself under ``inference_mode``: ``tuning.base_delta`` trains through it."""
+    Not itself under ``inference_mode``: ``tuning.delta_train`` trains through it."""
     attend = _attention(packed)
     # Where exit layer l is read: after layer l, or (``mid``) inside layer l + 1.
     at = {(lay + 1 if mid else lay): lay for lay in exit_layers}
@@ -326,7 +326,7 @@ def exit_states(
 ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """One pass over ``packed`` (rope: cos, sin tables [max_len, head_dim]): the exit layers'
     states {l: [m, D]} and the final-normed state [m, D] at the packed rows. Gradients flow
-    unless the caller turns them off (``tuning.base_delta`` trains through it)."""
+    unless the caller turns them off (``tuning.delta_train`` trains through it)."""
     dtype = model.lm_head.weight.dtype
     cos, sin = rope
     rot = Rotary(cos[packed.positions].to(dtype), sin[packed.positions].to(dtype))

@@ -8,7 +8,7 @@ heads, switch, rope)`` measures, teacher-forced at the current weights and witho
 exit layer the fraction of those positions where the joint exit head's argmax (full vocabulary)
 equals the model's own final argmax, and the fraction where the model's final argmax equals the
 original's (``switch(False)`` turns the delta off for that pass, ``switch(True)`` back on).
-``tuning.base_delta`` records one point every ``eval_every`` steps, so that a run's report shows
+``tuning.delta_train`` records one point every ``eval_every`` steps, so that a run's report shows
 where agreement stops growing, and the same probe run with the base frozen (``lora_lr=0``) is the
 heads-only baseline on the same data.
 """

@@ -9,8 +9,8 @@ threshold sweep: per layer, the fraction of tokens that would exit there and the
 them; over all exit layers at once (a token leaves at the first exit whose confidence reaches the
 threshold, as the engine's ``per_sequence`` policy does), the cumulative exit fraction per layer,
 the agreement among exiting tokens, the overall agreement and the ideal speed-up of the cost model
-in ``bench.exits``. Per measure it picks the loosest single threshold whose exiting tokens agree
-with full depth at the target (``chosen``, what the sidecar stores) and a per-layer set
+in ``bench.exit_sweep``. Per measure it picks the loosest single threshold whose exiting tokens
+agree with full depth at the target (``chosen``, what the sidecar stores) and a per-layer set
 (``chosen_per_layer``); the default measure is the one with the best ideal speed-up at its single
 threshold; exits are enabled by default only when that speed-up reaches ``MIN_SPEEDUP``.
 ``write_report`` writes ``tune_report.json`` and ``tune_report.md`` and returns the markdown.

@@ -24,7 +24,8 @@ from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import max_exit_layer, save_sidecar
 from eeserve.models.loader import load_model, read_config, resolve_model
 from eeserve.tuning.data import Group, collect_splits, load_groups
-from eeserve.tuning.heads import TRAIN_BASE, TuneOptions, init_heads, tune_layers
+from eeserve.tuning.heads import init_heads, tune_layers
+from eeserve.tuning.options import TRAIN_BASE, TuneOptions
 from eeserve.tuning.report import evaluate, write_report
 from eeserve.tuning.variant import Variant, make_variant, variant_report
 

@@ -3,7 +3,7 @@ the original.
 
 Contract: ``make_variant`` measures the frozen original on the held-out groups (its final argmax
 at every held-out decode position, and its perplexity), trains the base delta
-(``tuning.base_delta``), merges it, rounded to its stored float16, into ``model`` in place (the
+(``tuning.delta_train``), merges it, rounded to its stored float16, into ``model`` in place (the
 model is then the variant that the ordinary head tuning sees as a frozen model) and returns a
 ``Variant``. ``variant_report`` adds the variant's side: its full-depth agreement with the
 original and its perplexity. Perplexity is measured on the held-out *prompts* (text, not model
@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 from eeserve.models.base_delta import BaseDelta, merge_base_delta, rounded, weights_hash
 from eeserve.models.llama import LlamaForCausalLM
-from eeserve.tuning.base_delta import train_base_delta
 from eeserve.tuning.data import Group, collect
-from eeserve.tuning.heads import TuneOptions
+from eeserve.tuning.delta_train import train_base_delta
+from eeserve.tuning.options import TuneOptions
 
 
 @dataclass

@@ -43,7 +43,8 @@ from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaForCausalLM
 from eeserve.tuning.data import Group, exit_states, pack_groups
 from eeserve.tuning.delta_curve import CurveProbe
-from eeserve.tuning.heads import TuneOptions, candidates, init_heads, sampled_kl, schedule
+from eeserve.tuning.heads import candidates, init_heads, sampled_kl, schedule
+from eeserve.tuning.options import TuneOptions
 
 CHECKPOINT = "delta.pt"
 

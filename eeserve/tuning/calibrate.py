@@ -41,7 +41,7 @@ from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import CONFIG_NAME, WEIGHTS_NAME, load_sidecar, save_sidecar
 from eeserve.models.loader import DEFAULT_MODEL, VARIANT_MODEL, packaged_sidecar, resolve_model
 from eeserve.sampling_params import SamplingParams
-from eeserve.tuning.calibration import (
+from eeserve.tuning.ltt import (
     PVALUES,
     CandidateRow,
     check_candidate,
