@@ -1,4 +1,5 @@
 # Two commands: `make demo` and `make test`. Both create .venv here and install on first use.
+# `make test-fast` is the edit loop: the suite without the tests marked slow (no lint, no fetch).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -6,7 +7,7 @@ STAMP := $(VENV)/.installed
 CHROMIUM := /usr/bin/chromium
 CHROMEDRIVER := /usr/bin/chromedriver
 
-.PHONY: demo test lint bench fetch tune-default tune-default-ee browser
+.PHONY: demo test test-fast lint bench fetch tune-default tune-default-ee browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +25,8 @@ demo: fetch
 		--prompt "Explain in three sentences why the sky is blue."
 
 lint: $(STAMP)
-	$(BIN)/ruff check eeserve tests
-	$(BIN)/ruff format --check eeserve tests
+	$(BIN)/ruff check eeserve tests bench/scripts
+	$(BIN)/ruff format --check eeserve tests bench/scripts
 	$(BIN)/mypy eeserve
 
 # Headless Chromium for the playground's browser tests (tests/test_playground.py). Installed with
@@ -43,6 +44,11 @@ browser:
 
 test: fetch lint browser
 	$(BIN)/python -m pytest -q tests
+
+# Everything but the tests marked slow (Ray and Ray Serve, a live server under schemathesis, the
+# browser, the real model, the full `bench report`, training runs): well under two minutes.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 bench: fetch
 	$(BIN)/eeserve bench
