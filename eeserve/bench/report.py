@@ -1,4 +1,4 @@
-"""``eeserve bench report``: one reproducible benchmark report of early exit (issue 7).
+"""``eeserve bench report``: one reproducible benchmark report of early exit.
 
 Contract: in one process and one run, on the same prompts (``prompt_texts(n, seed, "bench")``,
 in the chat template when the tokenizer has one), all greedy with EOS ignored so that every
