@@ -11,7 +11,8 @@ stops at shutdown. With ``api_key`` every path except ``/health`` and the playgr
 files needs ``Authorization: Bearer <api_key>`` (401 otherwise). Every error, including
 malformed JSON, a missing field, a wrong type and an out-of-range value, is answered with
 ``{"error": {"message", "type", "param", "code"}}``; validation problems are 400s whose
-``param`` names the field.
+``param`` names the field. ``limits`` (``admission.ServingLimits``) bounds the waiting work
+(429 with ``Retry-After`` beyond it) and sets the server-wide time limit of a request.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from eeserve import __version__
 from eeserve.engine.llm_engine import LLMEngine
+from eeserve.server.admission import ServingLimits, resolve_limits
 from eeserve.server.engine_loop import EngineLoop
 from eeserve.server.formatting import TokenStrings, exit_config_summary
 from eeserve.server.metrics import ServerMetrics
@@ -50,7 +52,7 @@ log = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503, 504)
 }
 
 
@@ -65,10 +67,13 @@ def create_app(
     api_key: str | None = None,
     ui: bool = True,
     metrics_view: MetricsView | None = None,
+    limits: ServingLimits | None = None,
 ) -> FastAPI:
+    limits = limits or ServingLimits()
     num_layers = engine.model_config.num_layers
     metrics = ServerMetrics(num_layers)
-    engine_loop = EngineLoop(engine, metrics)
+    engine_loop = EngineLoop(engine, metrics, resolve_limits(limits, engine))
+    metrics.track_admission(engine_loop.admission)
     tokenizer = copy.deepcopy(engine.tokenizer)
     info = ModelInfo(
         tokenizer=tokenizer,
@@ -77,7 +82,9 @@ def create_app(
         num_layers=num_layers,
     )
     summary = exit_config_summary(engine.exit_config, engine.config.exit_policy)
-    ctx = ServingContext(engine_loop, info, TokenStrings(tokenizer), metrics, summary)
+    ctx = ServingContext(
+        engine_loop, info, TokenStrings(tokenizer), metrics, summary, limits.request_timeout
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -167,14 +174,16 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics_view: MetricsView | N
 
 
 def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
-    def respond(request: Request, status: int, body: dict[str, Any]) -> JSONResponse:
+    def respond(
+        request: Request, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> JSONResponse:
         if request.url.path in GENERATION_PATHS:
-            metrics.request_done(request.url.path, "rejected" if status < 500 else "error")
-        return JSONResponse(body, status_code=status)
+            metrics.request_done(request.url.path, _request_status(status))
+        return JSONResponse(body, status_code=status, headers=headers)
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return respond(request, exc.status, exc.body())
+        return respond(request, exc.status, exc.body(), exc.headers)
 
     async def on_validation(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
@@ -196,6 +205,12 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(Exception, on_other)
+
+
+def _request_status(http_status: int) -> str:
+    if http_status == 429:
+        return "overloaded"
+    return "rejected" if http_status < 500 else "error"
 
 
 class BearerAuth:

@@ -1,18 +1,23 @@
 """One background thread that owns the engine and drives ``engine.step()`` while there is work.
 
 Contract:
-- ``EngineLoop(engine, metrics)`` is started with ``start(loop)`` from inside the asyncio event
-  loop that will consume its outputs. From then on every engine call (``add_request``,
+- ``EngineLoop(engine, metrics, limits)`` (``limits``: the engine's defaults when omitted) is
+  started with ``start(loop)`` from inside the asyncio event loop that will consume its
+  outputs. From then on every engine call (``add_request``,
   ``abort_request``, ``tokenize``, ``step``) happens on the loop's single worker thread; other
   threads only post commands to it (a deque plus a wake-up event), so no lock is needed.
 - ``admit(engine, request_ids, choices, exit_params)`` (what ``add`` runs on the worker thread,
   and what batch files run on an engine of their own) adds a group of requests atomically.
-- ``await add(choices, exit_params)`` queues a group of engine requests atomically: if the engine
-  refuses any (``ValueError``, e.g. a prompt longer than the context), the ones already added are
-  aborted and the error is raised to the caller; exit parameters that cannot be resolved against
-  the model's exit config raise ``RequestRejected`` with ``param="early_exit"``. It returns a
-  ``Generation`` whose ``stream()`` yields ``(choice_index, RequestOutput)`` in engine order
-  until every choice has finished.
+- ``await add(choices, exit_params, timeout)`` first passes the group through admission control
+  (``admission.Admission``, on the event loop: ``Overloaded`` at once when the waiting requests
+  or their tokens would exceed ``limits``), then queues its engine requests atomically: if the
+  engine refuses any (``ValueError``, e.g. a prompt longer than the context), the ones already
+  added are aborted and the error is raised to the caller; exit parameters that cannot be
+  resolved against the model's exit config raise ``RequestRejected`` with
+  ``param="early_exit"``. It returns a ``Generation`` (``server.generation``) whose ``stream()``
+  yields ``(choice_index, RequestOutput)`` in engine order until every choice has finished; with
+  a ``timeout`` (seconds) the generation is aborted when it runs out and its stream raises
+  ``DeadlineExceeded``.
 - ``Generation.cancel()`` (client gone) aborts the unfinished engine requests, freeing their KV
   blocks, and ends the stream; ``abort()`` only aborts.
 - Outputs of one engine step are handed to the event loop with one ``call_soon_threadsafe``.
@@ -31,10 +36,9 @@ import concurrent.futures
 import logging
 import threading
 import time
-import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from eeserve.config import EngineConfig
@@ -42,6 +46,8 @@ from eeserve.engine.llm_engine import LLMEngine
 from eeserve.exit_params import ExitParams
 from eeserve.outputs import RequestOutput
 from eeserve.sampling_params import SamplingParams
+from eeserve.server.admission import Admission, AdmissionLimits, ServingLimits, resolve_limits
+from eeserve.server.generation import Batch, Generation, GenerationError, put_all
 from eeserve.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -60,14 +66,6 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     pool ends with the thread."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eeserve-load") as pool:
         return pool.submit(LLMEngine, config).result()
-
-
-class GenerationError(RuntimeError):
-    """The engine could not finish a request: 503 for a shutdown, 500 for an engine failure."""
-
-    def __init__(self, message: str, status: int = 500) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class ShuttingDown(RuntimeError):
@@ -91,51 +89,6 @@ class ChoiceSpec:
     params: SamplingParams
 
 
-class _Cancelled:
-    """Queue sentinel: the consumer went away."""
-
-
-_Item = tuple[int, RequestOutput] | GenerationError | _Cancelled
-
-
-class Generation:
-    """The consumer's handle on a group of engine requests (one per choice)."""
-
-    def __init__(self, owner: EngineLoop, num_choices: int) -> None:
-        self.id = uuid.uuid4().hex
-        self.request_ids = [f"{self.id}-{i}" for i in range(num_choices)]
-        self.prompt_token_ids: list[list[int]] = []
-        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._owner = owner
-        self._pending = set(range(num_choices))
-        self.cancelled = False
-
-    @property
-    def finished(self) -> bool:
-        return not self._pending
-
-    async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        while self._pending:
-            item = await self.queue.get()
-            if isinstance(item, _Cancelled):
-                return
-            if isinstance(item, GenerationError):
-                raise item
-            index, out = item
-            if out.finished:
-                self._pending.discard(index)
-            yield index, out
-
-    def abort(self) -> None:
-        if self._pending:
-            self._owner.abort([self.request_ids[i] for i in sorted(self._pending)])
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        self.abort()
-        self.queue.put_nowait(_Cancelled())
-
-
 @dataclass
 class _Tracked:
     generation: Generation
@@ -147,15 +100,13 @@ class _Tracked:
     seen_accepted: int = 0
 
 
-@dataclass
-class _Batch:
-    items: list[tuple[Generation, _Item]] = field(default_factory=list)
-
-
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, engine: LLMEngine, metrics: ServerMetrics, limits: AdmissionLimits | None = None
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.admission = Admission(limits or resolve_limits(ServingLimits(), engine))
         self.num_layers = engine.model_config.num_layers
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._wake = threading.Event()
@@ -201,15 +152,26 @@ class EngineLoop:
 
     # -- requests (event-loop side) -------------------------------------------------------------
 
-    async def add(self, choices: list[ChoiceSpec], exit_params: ExitParams | None) -> Generation:
+    async def add(
+        self,
+        choices: list[ChoiceSpec],
+        exit_params: ExitParams | None,
+        timeout: float | None = None,
+    ) -> Generation:
         if self.draining or not self.alive:
             raise ShuttingDown("the server is shutting down")
-        gen = Generation(self, len(choices))
+        # What a request may hold of the KV pool: its prompt and every token it may generate.
+        costs = [len(c.prompt_token_ids) + c.params.max_tokens for c in choices]
+        self.admission.admit(costs)
+        gen = Generation(self.abort, len(choices))
+        gen.hold(self.admission, costs)
+        if timeout is not None:
+            gen.set_deadline(timeout)
         future = self._post(lambda: self._add(gen, choices, exit_params))
         try:
             await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            gen.abort()  # queued after the add, so it runs after it
+        except BaseException:
+            gen.abort()  # queued after the add, so it runs after it; gives back the admission
             raise
         return gen
 
@@ -275,7 +237,7 @@ class EngineLoop:
             time.sleep(0.001)  # nothing schedulable right now; do not spin
             return
         now = time.monotonic()
-        batch = _Batch()
+        batch = Batch()
         for out in outputs:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
@@ -287,9 +249,9 @@ class EngineLoop:
         self._deliver(batch)
         self._update_gauges()
 
-    def _deliver(self, batch: _Batch) -> None:
+    def _deliver(self, batch: Batch) -> None:
         if batch.items and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(_put_all, batch)
+            self._loop.call_soon_threadsafe(put_all, batch)
 
     def _add(self, gen: Generation, choices: list[ChoiceSpec], ep: ExitParams | None) -> None:
         gen.prompt_token_ids = admit(self.engine, gen.request_ids, choices, ep)
@@ -307,7 +269,7 @@ class EngineLoop:
     def _fail_all(self, message: str, status: int = 503) -> None:
         if not self._tracked:
             return
-        batch = _Batch()
+        batch = Batch()
         gens: dict[int, Generation] = {}
         for rid, tracked in list(self._tracked.items()):
             self.engine.abort_request(rid)
@@ -393,9 +355,3 @@ def _check_exit_params(engine: LLMEngine, ep: ExitParams | None) -> None:
         engine.exit_plan(ep)
     except ValueError as e:
         raise RequestRejected(str(e), "early_exit") from e
-
-
-def _put_all(batch: _Batch) -> None:
-    for gen, item in batch.items:
-        if not gen.cancelled:
-            gen.queue.put_nowait(item)

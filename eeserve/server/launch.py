@@ -5,8 +5,11 @@ is ``run_serve``); ``run_serve(args)`` loads the engine, serves until SIGINT or 
 returns 0. On the first signal the listener closes, new requests on open connections get 503,
 in-flight requests run to completion for up to ``--shutdown-timeout`` seconds and are then
 aborted with an error (a JSON error body, or an ``error`` event before ``[DONE]`` in a
-stream); a second SIGINT forces the exit. With ``--replicas N`` the same app runs as N Ray Serve
-replicas instead (``replicas.run_replicas``). ``main(argv)`` is ``python -m eeserve.server``.
+stream); a second SIGINT forces the exit. ``--max-waiting-requests``, ``--max-queued-tokens``
+and ``--request-timeout`` set admission control and the time limit of a request
+(``serving_limits(args)``; see ``server.admission``). With ``--replicas N`` the same app runs as
+N Ray Serve replicas instead (``replicas.run_replicas``), each with those limits.
+``main(argv)`` is ``python -m eeserve.server``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import uvicorn
 
 from eeserve.engine_args import add_engine_args, engine_config
+from eeserve.server.admission import ServingLimits
 from eeserve.server.app import create_app
 from eeserve.server.engine_loop import build_engine
 from eeserve.server.replicas import run_replicas
@@ -76,6 +80,28 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    o = p.add_argument_group("overload (per replica with --replicas)")
+    o.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="engine requests that may wait for their first token; more get 429 "
+        "(default: --max-num-seqs)",
+    )
+    o.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=None,
+        help="prompt + max output tokens the waiting requests may hold; more get 429 "
+        "(default: the KV pool's tokens)",
+    )
+    o.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take before it is aborted with 504 (default: no limit; "
+        "a request's `request_timeout` field may ask for less)",
+    )
     r = p.add_argument_group("replicas (Ray Serve; needs the `ray` extra)")
     r.add_argument(
         "--replicas",
@@ -92,14 +118,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p.add_argument_group("engine options"))
 
 
+def serving_limits(args: argparse.Namespace) -> ServingLimits:
+    """The overload flags (a ``ValueError`` names a bad one)."""
+    return ServingLimits(
+        max_waiting_requests=args.max_waiting_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        request_timeout=args.request_timeout,
+    )
+
+
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", force=True
     )
+    serving_limits(args)  # bad limits fail before anything loads
     if args.replicas is not None:
         if args.replicas < 1 or args.threads_per_replica < 1:
             raise ValueError("--replicas and --threads-per-replica must be >= 1")
-        return run_replicas(args)
+        return run_replicas(args, serving_limits(args))
     if args.ray_address is not None:
         raise ValueError("--ray-address needs --replicas")
     engine = build_engine(engine_config(args))
@@ -108,6 +144,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model_names=args.served_model_name or [args.model],
         api_key=args.api_key,
         ui=not args.no_ui,
+        limits=serving_limits(args),
     )
     config = uvicorn.Config(
         app,

@@ -3,8 +3,11 @@
 Contract: ``ServerMetrics(num_layers)`` creates every metric in a fresh registry; ``render()``
 returns the text exposition format and its content type. The engine thread records token counts,
 latencies, exit layers and the gauges; the HTTP layer records requests by endpoint and status
-(``success``, ``aborted`` (client went away), ``rejected`` (4xx), ``error`` (5xx or a request
-the engine could not finish)).
+(``success``, ``aborted`` (client went away), ``rejected`` (4xx other than 429), ``overloaded``
+(429: beyond the admission limits; also counted by limit in ``eeserve_admission_rejected``),
+``timeout`` (the request's time limit passed), ``error`` (5xx or a request the engine could not
+finish)). ``track_admission(admission)`` exposes admission control's waiting requests, their
+tokens and its limits as gauges.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+from eeserve.server.admission import LIMITS, Admission
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -35,7 +40,7 @@ _LATENCY_BUCKETS = (
     30.0,
 )
 
-REQUEST_STATUSES = ("success", "aborted", "rejected", "error")
+REQUEST_STATUSES = ("success", "aborted", "rejected", "overloaded", "timeout", "error")
 
 
 class ServerMetrics:
@@ -91,12 +96,42 @@ class ServerMetrics:
         self.waiting = Gauge("eeserve_num_requests_waiting", "Waiting requests", registry=r)
         self.kv_blocks_used = Gauge("eeserve_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.kv_blocks_free = Gauge("eeserve_kv_blocks_free", "Free KV cache blocks", registry=r)
+        self.admission_rejected = Counter(
+            "eeserve_admission_rejected",
+            "Requests answered 429 because a limit of admission control was reached",
+            ["limit"],
+            registry=r,
+        )
+        self.admission_waiting = Gauge(
+            "eeserve_admission_waiting_requests",
+            "Admitted engine requests that have not produced their first token",
+            registry=r,
+        )
+        self.admission_queued_tokens = Gauge(
+            "eeserve_admission_queued_tokens",
+            "Prompt + requested output tokens of the waiting engine requests",
+            registry=r,
+        )
+        self.admission_limit = Gauge(
+            "eeserve_admission_limit",
+            "Admission limits: waiting_requests and queued_tokens",
+            ["limit"],
+            registry=r,
+        )
+        for limit in LIMITS:
+            self.admission_rejected.labels(limit)
         for endpoint in ("/v1/completions", "/v1/chat/completions"):
             for status in REQUEST_STATUSES:
                 self.requests.labels(endpoint, status)
 
     def request_done(self, endpoint: str, status: str) -> None:
         self.requests.labels(endpoint, status).inc()
+
+    def track_admission(self, admission: Admission) -> None:
+        self.admission_waiting.set_function(lambda: admission.waiting_requests)
+        self.admission_queued_tokens.set_function(lambda: admission.queued_tokens)
+        self.admission_limit.labels("waiting_requests").set(admission.limits.max_waiting_requests)
+        self.admission_limit.labels("queued_tokens").set(admission.limits.max_queued_tokens)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -8,7 +8,7 @@ both report. ``prepare(info, req, kind)`` checks the model name (404), tokenizes
 ``seed + i``) and the request's ``ExitParams``. ``engine_refusal`` maps what the engine says
 when it refuses a request (a prompt longer than the context, exit parameters the model's exits
 cannot honour) to the same 400s. Every problem is an ``ApiError``: status, message, the field in
-``param``, a ``code``.
+``param``, a ``code`` (and response headers where the status needs some: ``Retry-After``).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         type_: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = (
@@ -55,6 +56,7 @@ class ApiError(Exception):
             code,
             type_,
         )
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)

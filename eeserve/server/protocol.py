@@ -4,7 +4,8 @@ Contract: request models are strict (no coercion: ``"1"`` is not a number, ``1.0
 integer, ``1`` is not a boolean), reject NaN/inf, ignore unknown fields, and carry the
 range limits of ``SamplingParams`` so that a bad value is reported against its field name before
 anything reaches the engine. Every string must be encodable Unicode (no lone surrogates).
-``early_exit`` is this server's extension, mapped to ``ExitParams``.
+``early_exit`` is this server's extension, mapped to ``ExitParams``; so is ``request_timeout``
+(seconds the request may take before it is aborted).
 Response models document the JSON the handlers build (they are not used to validate it).
 """
 
@@ -94,6 +95,14 @@ class _GenerationRequest(_Strict):
     user: Text | None = None
     ignore_eos: bool = False
     early_exit: EarlyExitOptions | None = None
+    request_timeout: float | None = Field(
+        None,
+        gt=0,
+        le=86400,
+        description="extension: seconds this request may take from its arrival; then it is "
+        "aborted and answered with 504 (a final error event when streaming). Shortens, never "
+        "extends, the server's --request-timeout",
+    )
 
     @field_validator("stop")
     @classmethod

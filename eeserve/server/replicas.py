@@ -11,6 +11,13 @@ dead replica end with a 5xx. ``/metrics`` shows every live replica's metrics, la
 ``replica``, plus ``eeserve_replica_info{replica, pid}``. On a signal the app is deleted, which
 lets in-flight requests finish for up to ``--shutdown-timeout`` seconds, and a cluster started
 here is shut down. ``launch_replicas`` deploys on an already connected Ray (tests, scripts).
+Overload: every replica applies ``ReplicaOptions.limits`` to its own engine (admission control
+answers 429 with ``Retry-After`` and an OpenAI error body, as the single process does), and Ray
+Serve's per-replica limits are set from the same numbers (``ray_limits``): a replica is sent at
+most its running batch, its waiting requests and ``ONGOING_HEADROOM`` more at once (room for the
+quick 429s), so that the replica's own check, not Ray, decides; when every replica is at that
+limit, Ray's proxy queues up to ``max_queued_requests`` more and answers the rest itself with 429
+and ``Retry-After: 1`` (a plain-text body).
 Ray is imported only here, lazily: without ``--replicas`` nothing imports it; without the
 ``ray`` extra a Ray option is a ``ValueError`` naming the extra.
 """
@@ -34,6 +41,7 @@ from starlette.types import ASGIApp
 
 from eeserve.config import EngineConfig
 from eeserve.engine_args import engine_config
+from eeserve.server.admission import ServingLimits
 from eeserve.server.app import create_app
 from eeserve.server.engine_loop import build_engine
 from eeserve.server.metrics import ServerMetrics
@@ -49,6 +57,7 @@ NAMESPACE = "eeserve"
 # single-process server (for an existing cluster: `RAY_worker_niceness=0 ray start ...`).
 LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0}
 _PUSH_INTERVAL_S = 1.0
+ONGOING_HEADROOM = 16
 
 
 def import_ray(*subpackages: str) -> Any:
@@ -83,6 +92,7 @@ class ReplicaOptions:
     replicas: int = 2
     threads: int = 1
     shutdown_timeout: float = 30.0
+    limits: ServingLimits = dataclasses.field(default_factory=ServingLimits)
 
 
 class EngineReplica:
@@ -99,6 +109,7 @@ class EngineReplica:
             model_names=opts.model_names,
             api_key=opts.api_key,
             metrics_view=self._metrics_view,
+            limits=opts.limits,
         )
         self._metrics: ServerMetrics = self._asgi.state.ctx.metrics
         # Daemon: it ends with the replica's process.
@@ -160,7 +171,7 @@ def launch_replicas(opts: ReplicaOptions, host: str, port: int) -> Deployed:
         name="EngineReplica",
         num_replicas=opts.replicas,
         ray_actor_options={"num_cpus": opts.threads},
-        max_ongoing_requests=4 * int(opts.engine.get("max_num_seqs", 64)),
+        **ray_limits(opts),
         health_check_period_s=2,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=opts.shutdown_timeout,
@@ -170,6 +181,18 @@ def launch_replicas(opts: ReplicaOptions, host: str, port: int) -> Deployed:
     return Deployed(app, hub)
 
 
+def ray_limits(opts: ReplicaOptions) -> dict[str, Any]:
+    """Ray Serve's per-replica options from the replica's own admission limits."""
+    seqs = int(opts.engine.get("max_num_seqs") or EngineConfig.max_num_seqs)
+    waiting = opts.limits.max_waiting_requests or seqs  # admission.resolve_limits' default
+    ongoing = seqs + waiting + ONGOING_HEADROOM
+    return {
+        "max_ongoing_requests": ongoing,
+        "max_queued_requests": ongoing,
+        "backpressure_config": {"status_code": 429, "retry_after_s": 1},
+    }
+
+
 def stop_replicas(deployed: Deployed) -> None:
     """Delete the app (in-flight requests get the graceful timeout), then the metrics hub."""
     ray = import_ray("serve")
@@ -177,7 +200,7 @@ def stop_replicas(deployed: Deployed) -> None:
     ray.kill(deployed.hub)
 
 
-def run_replicas(args: argparse.Namespace) -> int:
+def run_replicas(args: argparse.Namespace, limits: ServingLimits) -> int:
     ray = import_ray("serve")
     opts = ReplicaOptions(
         engine=dataclasses.asdict(engine_config(args)),
@@ -186,6 +209,7 @@ def run_replicas(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         threads=args.threads_per_replica,
         shutdown_timeout=args.shutdown_timeout,
+        limits=limits,
     )
     init_ray(ray, args.ray_address)
     stop = threading.Event()

@@ -6,7 +6,12 @@ with ``prepare`` (the one implementation shared with batch files: model name, to
 not fit the context is a 400 naming the lengths) and answers either with one JSON body or with
 ``text/event-stream`` chunks ending in ``data: [DONE]``. A client that goes away (mid-stream or
 while waiting for a whole response) gets its engine requests aborted, which frees their KV
-blocks. Every problem is an ``ApiError`` rendered as an OpenAI error body by the app.
+blocks. A request beyond the admission limits is a 429 with ``Retry-After`` (OpenAI's
+``rate_limit_exceeded``; ``type`` says which limit: ``requests`` or ``tokens``). A request whose
+time limit (its ``request_timeout`` field or the server's, whichever is shorter) passes is
+aborted and answered with a 504 ``deadline_exceeded`` body, or, once streaming, with an error
+event before ``[DONE]``. Every problem is an ``ApiError`` rendered as an OpenAI error body by the
+app.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from eeserve.outputs import CompletionOutput
-from eeserve.server.engine_loop import EngineLoop, Generation, GenerationError, ShuttingDown
+from eeserve.server.admission import Overloaded
+from eeserve.server.engine_loop import EngineLoop, ShuttingDown
 from eeserve.server.formatting import Formatter, Kind, TokenStrings
+from eeserve.server.generation import DeadlineExceeded, Generation, GenerationError
 from eeserve.server.metrics import ServerMetrics
 from eeserve.server.prepare import (
     ApiError,
@@ -42,6 +49,7 @@ class ServingContext:
     strings: TokenStrings
     metrics: ServerMetrics
     exit_config: dict[str, Any]  # GET /v1/eeserve/exit_config (formatting.exit_config_summary)
+    request_timeout: float | None = None  # seconds; the server-wide time limit of a request
 
 
 # -- running ------------------------------------------------------------------------------------
@@ -54,8 +62,20 @@ async def generate(
     kind: Kind,
 ) -> Response:
     prep = prepare(ctx.info, req, kind)
+    limits = [t for t in (req.request_timeout, ctx.request_timeout) if t is not None]
     try:
-        gen = await ctx.engine_loop.add(prep.specs, prep.exit_params)
+        gen = await ctx.engine_loop.add(
+            prep.specs, prep.exit_params, min(limits) if limits else None
+        )
+    except Overloaded as e:
+        ctx.metrics.admission_rejected.labels(e.limit).inc()
+        raise ApiError(
+            429,
+            str(e),
+            type_="requests" if e.limit == "waiting_requests" else "tokens",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(e.retry_after)},
+        ) from e
     except ShuttingDown as e:
         raise ApiError(503, str(e), type_="service_unavailable", code="shutting_down") from e
     except ValueError as e:
@@ -102,8 +122,8 @@ class _Run:
             if not self.gen.cancelled:
                 self.status = "success"
         except GenerationError as e:
-            self.status = "error"
-            return JSONResponse(error_body(str(e), "server_error"), status_code=e.status)
+            self.status = _status(e)
+            return JSONResponse(error_body(str(e), e.type, None, e.code), status_code=e.status)
         finally:
             watcher.cancel()
             self.close()
@@ -126,8 +146,8 @@ class _Run:
                 yield _sse(self.fmt.usage_chunk(self.prompt_lens))
             self.status = "success"
         except GenerationError as e:
-            self.status = "error"
-            yield _sse(error_body(str(e), "server_error", code=str(e.status)))
+            self.status = _status(e)
+            yield _sse(error_body(str(e), e.type, code=e.code or str(e.status)))
         yield "data: [DONE]\n\n"
 
 
@@ -147,6 +167,10 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._run.close()
+
+
+def _status(e: GenerationError) -> str:
+    return "timeout" if isinstance(e, DeadlineExceeded) else "error"
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -1,0 +1,293 @@
+"""Overload: admission control (429 with Retry-After) and per-request deadlines (504), on the
+tiny model: the accounting alone, the engine loop in-process, and a live server whose one running
+slot is held by a long stream so that what waits behind it is known."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from eeserve.config import EngineConfig
+from eeserve.engine.llm_engine import LLMEngine
+from eeserve.sampling_params import SamplingParams
+from eeserve.server import main
+from eeserve.server.admission import (
+    Admission,
+    AdmissionLimits,
+    Overloaded,
+    ServingLimits,
+    resolve_limits,
+)
+from eeserve.server.app import create_app
+from eeserve.server.engine_loop import ChoiceSpec, EngineLoop
+from eeserve.server.generation import DeadlineExceeded
+from eeserve.server.metrics import ServerMetrics
+from tests.live_server import Server
+
+KV_BYTES = 4_000_000
+LONG = 480  # tokens: hundreds of engine steps, far longer than any deadline below
+
+
+# -- the accounting ------------------------------------------------------------------------------
+
+
+def test_admission_limits_and_release() -> None:
+    adm = Admission(AdmissionLimits(max_waiting_requests=3, max_queued_tokens=100))
+    adm.admit([500])  # nothing waits: admitted whatever it costs
+    with pytest.raises(Overloaded) as e:
+        adm.admit([1])
+    assert e.value.limit == "queued_tokens" and e.value.retry_after >= 1
+    adm.released(500)
+    adm.admit([40, 40])
+    with pytest.raises(Overloaded) as e:
+        adm.admit([30])
+    assert e.value.limit == "queued_tokens"
+    adm.admit([10])
+    with pytest.raises(Overloaded) as e:
+        adm.admit([1])
+    assert e.value.limit == "waiting_requests" and "3 requests wait" in str(e.value)
+    for cost in (40, 40, 10):
+        adm.started(cost)
+    assert adm.waiting_requests == adm.queued_tokens == 0
+    adm.admit([1, 1, 1])
+
+
+def test_retry_after_follows_the_start_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    from eeserve.server import admission as mod
+
+    now = [1000.0]
+    monkeypatch.setattr(mod.time, "monotonic", lambda: now[0])
+    adm = Admission(AdmissionLimits(max_waiting_requests=100, max_queued_tokens=10**6))
+    assert adm.retry_after() == 1  # no rate known yet
+    adm.admit([1] * 50)
+    for _ in range(10):  # 10 starts over 10 s: 1 a second
+        now[0] += 1.0
+        adm.started(1)
+    assert adm.retry_after() == 40  # 40 still wait
+    now[0] += 100  # the starts are stale
+    assert adm.retry_after() == 1
+    for _ in range(40):
+        adm.started(1)
+    adm.admit([1] * 100)
+    with pytest.raises(Overloaded) as e:
+        adm.admit([1])
+    assert 1 <= e.value.retry_after <= mod.MAX_RETRY_AFTER_S
+
+
+def test_limits_default_to_the_engine_and_reject_nonsense(tiny_model_dir: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=KV_BYTES))
+    got = resolve_limits(ServingLimits(), engine)
+    bm = engine.block_manager
+    assert got.max_waiting_requests == engine.config.max_num_seqs
+    assert got.max_queued_tokens == bm.num_blocks * bm.block_size
+    assert resolve_limits(ServingLimits(7, 99), engine) == AdmissionLimits(7, 99)
+    for bad in (dict(max_waiting_requests=0), dict(max_queued_tokens=-1)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            ServingLimits(**bad)
+    for t in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="request_timeout"):
+            ServingLimits(request_timeout=t)
+    # The command line refuses them before loading anything.
+    assert main([str(tiny_model_dir), "--max-waiting-requests", "0"]) == 2
+    assert main([str(tiny_model_dir), "--request-timeout", "-3"]) == 2
+
+
+# -- the engine loop in-process ------------------------------------------------------------------
+
+
+def test_deadline_aborts_and_frees_blocks(tiny_model_dir: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=KV_BYTES))
+    loop = EngineLoop(engine, ServerMetrics(engine.model_config.num_layers))
+    params = SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True)
+    seen: list[int] = []
+
+    async def run() -> None:
+        loop.start(asyncio.get_running_loop())
+        gen = await loop.add([ChoiceSpec(None, [1, 2, 3], params)], None, timeout=0.001)
+        with pytest.raises(DeadlineExceeded) as e:
+            async for _, out in gen.stream():
+                seen.append(len(out.outputs[0].token_ids))
+        assert e.value.status == 504 and e.value.code == "deadline_exceeded"
+        # Another request still runs to its end: the loop is unharmed.
+        done = await loop.add([ChoiceSpec(None, [4, 5], params)], None)
+        outs = [out async for _, out in done.stream()]
+        assert len(outs[-1].outputs[0].token_ids) == LONG
+        loop.stop()
+
+    asyncio.run(run())
+    assert not seen or seen[-1] < LONG
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.has_unfinished_requests()
+    assert loop.admission.waiting_requests == loop.admission.queued_tokens == 0
+
+
+def test_server_request_timeout_flag(tiny_model_dir: Path) -> None:
+    """``--request-timeout`` (``ServingLimits.request_timeout``): a 504 with an OpenAI body; a
+    request's own ``request_timeout`` only shortens it."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=KV_BYTES))
+    app = create_app(engine, model_names=["tiny"], limits=ServingLimits(request_timeout=0.001))
+    body = {"model": "tiny", "prompt": "x", "max_tokens": LONG, "ignore_eos": True}
+    with TestClient(app) as client:
+        for extra in ({}, {"request_timeout": 3600.0}):
+            r = client.post("/v1/completions", json={**body, **extra})
+            assert r.status_code == 504, r.text
+            err = r.json()["error"]
+            assert err["code"] == "deadline_exceeded" and err["type"] == "timeout_error"
+            assert "0.001 s" in err["message"]
+        metrics = client.get("/metrics").text
+        deadline = time.monotonic() + 10
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the aborts reach the engine thread after its current step
+    assert 'eeserve_requests_total{endpoint="/v1/completions",status="timeout"} 2.0' in metrics
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+# -- a live server -------------------------------------------------------------------------------
+
+# One running slot; behind it at most 2 waiting requests holding 600 tokens.
+LIMIT_ARGS = ("--max-num-seqs", "1", "--max-waiting-requests", "2", "--max-queued-tokens", "600")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[Server]:
+    srv = Server(tiny_model_dir, *LIMIT_ARGS)
+    yield srv
+    assert srv.stop(signal.SIGINT) == 0, srv.output()
+
+
+def _metrics(base: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+async def _until(base: str, name: str, value: float, timeout: float = 30) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(base)
+        if m[name] == value or time.monotonic() > deadline:
+            assert m[name] == value, (name, m[name])
+            return m
+        await asyncio.sleep(0.02)
+
+
+@asynccontextmanager
+async def _running_stream(
+    client: httpx.AsyncClient, body: dict[str, Any]
+) -> AsyncIterator[httpx.Response]:
+    """A stream that holds the one running slot, open until the block ends."""
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        lines = r.aiter_lines()
+        assert (await anext(lines)).startswith("data: {")  # generating: it runs
+        yield r
+
+
+def _sse_events(r: httpx.Response) -> list[str]:
+    return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_over_the_limits_is_429_with_retry_after(server: Server) -> None:
+    base = server.base
+    body = {"model": server.model, "prompt": "x", "ignore_eos": True, "temperature": 0}
+    waiting = "eeserve_admission_waiting_requests"
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+            async with _running_stream(c, {**body, "max_tokens": LONG}):
+                await _until(base, waiting, 0)
+                # Waits behind the stream (cost 1 + 400 tokens of the 600).
+                behind = asyncio.create_task(
+                    c.post("/v1/completions", json={**body, "max_tokens": 400})
+                )
+                await _until(base, waiting, 1)
+                too_big = await c.post("/v1/completions", json={**body, "max_tokens": 300})
+                fits = asyncio.create_task(
+                    c.post("/v1/completions", json={**body, "max_tokens": 100})
+                )
+                await _until(base, waiting, 2)
+                one_more = await c.post("/v1/completions", json={**body, "max_tokens": 1})
+                chat = await c.post(
+                    "/v1/chat/completions",
+                    json={"model": server.model, "messages": [{"role": "user", "content": "x"}]},
+                )
+            return [too_big, one_more, chat, await behind, await fits]
+
+    too_big, one_more, chat, behind, fits = asyncio.run(run())
+    for r, kind in ((too_big, "tokens"), (one_more, "requests"), (chat, "requests")):
+        assert r.status_code == 429, r.text
+        assert int(r.headers["Retry-After"]) >= 1
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["code"] == "rate_limit_exceeded" and err["type"] == kind
+    assert "600" in too_big.json()["error"]["message"]
+    assert behind.status_code == fits.status_code == 200
+    assert behind.json()["usage"]["completion_tokens"] == 400
+    m = _metrics(base)
+    assert m['eeserve_admission_rejected_total{limit="queued_tokens"}'] == 1
+    assert m['eeserve_admission_rejected_total{limit="waiting_requests"}'] == 2
+    assert m['eeserve_requests_total{endpoint="/v1/completions",status="overloaded"}'] == 2
+    assert m['eeserve_admission_limit{limit="queued_tokens"}'] == 600
+    assert m[waiting] == m["eeserve_admission_queued_tokens"] == 0
+
+
+def test_request_timeout_field_aborts_waiting_and_streaming(server: Server) -> None:
+    """A request whose time limit passes while it waits behind a running stream: a 504 (whole
+    response) or a final error event before [DONE] (stream); its blocks are freed."""
+    base = server.base
+    body = {"model": server.model, "prompt": "x", "ignore_eos": True, "max_tokens": 8}
+    timeout = "eeserve_requests_total{endpoint=\"/v1/completions\",status=\"timeout\"}"
+    before = _metrics(base)[timeout]
+
+    async def run() -> tuple[httpx.Response, list[str]]:
+        async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+            async with _running_stream(c, {**body, "max_tokens": LONG}):
+                whole = await c.post(
+                    "/v1/completions", json={**body, "request_timeout": 0.001}
+                )
+                req = c.build_request(
+                    "POST",
+                    "/v1/completions",
+                    json={**body, "request_timeout": 0.001, "stream": True},
+                )
+                streamed = await c.send(req, stream=True)
+                events = [line[6:] async for line in streamed.aiter_lines()
+                          if line.startswith("data: ")]  # fmt: skip
+                await streamed.aclose()
+            return whole, events
+
+    whole, events = asyncio.run(run())
+    assert whole.status_code == 504, whole.text
+    assert whole.json()["error"]["code"] == "deadline_exceeded"
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "deadline_exceeded" and err["type"] == "timeout_error"
+    deadline = time.monotonic() + 30
+    while True:
+        m = _metrics(base)
+        if m["eeserve_kv_blocks_used"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert m["eeserve_kv_blocks_used"] == 0
+    assert m[timeout] == before + 2
+    assert m["eeserve_admission_waiting_requests"] == 0
+
+
+@pytest.mark.parametrize("value", ["5", 0, -1.0, 10**6, True])
+def test_request_timeout_field_is_validated(server: Server, value: Any) -> None:
+    body = {"model": server.model, "prompt": "x", "max_tokens": 1, "request_timeout": value}
+    r = httpx.post(f"{server.base}/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "request_timeout"
