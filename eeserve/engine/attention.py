@@ -9,6 +9,12 @@ context is gathered and SDPA runs on the copy. ``AttnMeta`` describes one forwar
 slot each row writes and, per sequence, which rows are its queries and which slots form its
 context. ``subset`` re-targets it to the rows that are still running when some have exited
 early; sequences with no row left drop out.
+Sliding-window layers (``windows[layer]`` = W, Gemma 3's local layers): a query at position p
+sees positions p - W + 1 .. p. While no query of the pass is at position W or beyond, that is
+the whole context and the layer takes the paths above unchanged; otherwise row-wise rows read
+the last W slots of their context (``RowSet.window``; the same kernels) and longer spans run
+SDPA over the span's window with a banded mask. The pool keeps every position for these layers
+too (one slot table for all layers), so a local layer's memory is not bounded by its window.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class SeqSpan:
     # native kernel; [1, 1, n, ctx_len] additive causal mask for SDPA over a cached prefix.
     positions: torch.Tensor | None = None
     key_bias: torch.Tensor | None = None
+    # Sliding-window layers: (first context position read, [1, 1, n, T'] banded additive mask).
+    window_bias: tuple[int, torch.Tensor] | None = None
     row_slice: slice | None = field(init=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +74,24 @@ class RowSet:
     lens: torch.Tensor  # [R]
     bias: torch.Tensor | None  # [R, 1, 1, T] SDPA fallback mask, as AttnMeta.key_bias
 
+    def window(self, size: int, dtype: torch.dtype) -> RowSet:
+        """The same rows reading only the last ``size`` slots of their context (``dtype``: the
+        SDPA fallback mask's)."""
+        t = self.slots.shape[1]
+        if t <= size:
+            return self
+        width = min(t, size)
+        start = (self.lens - size).clamp_(min=0)  # [R]
+        cols = start[:, None] + torch.arange(width, device=start.device)[None, :]  # [R, W]
+        slots = self.slots.gather(1, cols.clamp_(max=t - 1))
+        lens = self.lens - start
+        bias = None
+        if self.bias is not None or bool((lens < width).any()):
+            padded = torch.arange(width, device=lens.device)[None, :] >= lens[:, None]
+            bias = torch.zeros(padded.shape, dtype=dtype, device=lens.device)
+            bias = bias.masked_fill_(padded, float("-inf"))[:, None, None, :]
+        return RowSet(self.idx, slots, lens, bias)
+
 
 @dataclass
 class AttnMeta:
@@ -83,6 +109,20 @@ class AttnMeta:
     _row_set: RowSet | None = field(default=None, repr=False)
     # pass_attention's result once built (a 1-tuple: None inside means the kernel cannot run it).
     _pass: tuple[PassAttention | None] | None = field(default=None, repr=False)
+    _max_position: int | None = field(default=None, repr=False)
+    _window_rows: dict[int, RowSet] = field(default_factory=dict, repr=False)
+
+    def max_position(self) -> int:
+        """The last position any query of the pass is at."""
+        if self._max_position is None:
+            self._max_position = max(max(s.q_positions) for s in self.spans)
+        return self._max_position
+
+    def window_rows(self, size: int, dtype: torch.dtype) -> RowSet:
+        """``row_set`` reading only the last ``size`` slots of each row's context."""
+        if size not in self._window_rows:
+            self._window_rows[size] = self.row_set().window(size, dtype)
+        return self._window_rows[size]
 
     def row_set(self) -> RowSet:
         """The row-wise rows (built on first use, then shared by the pass's layers)."""
@@ -195,13 +235,16 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         native: NativeOps | None = None,
+        windows: tuple[int | None, ...] = (),
     ) -> None:
+        """``windows``: per layer, its sliding window (None or absent: full attention)."""
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.native = native  # attention that reads the pool in place (CPU)
         self.scale = head_dim**-0.5
         self.rowwise_max_rows = ROWWISE_MAX_ROWS if native is None else ROWWISE_MAX_ROWS_NATIVE
+        self.windows = windows
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [N, Hkv, hd] for the slots [N]."""
@@ -213,6 +256,9 @@ class PagedKVCache:
     ) -> torch.Tensor:
         """q: [N, H, hd]; k, v: [N, Hkv, hd] for the same rows. Returns [N, H*hd]."""
         self.write(layer, meta.slot_mapping, k, v)
+        window = self.windows[layer] if layer < len(self.windows) else None
+        if window is not None and meta.max_position() >= window:
+            return self._attend_windowed(layer, q, k, v, meta, window)
         n, heads, hd = q.shape
         rowwise = meta.rowwise or []
         if rowwise and all(rowwise):
@@ -229,6 +275,51 @@ class PagedKVCache:
                     layer, q, k, v, s
                 )
         return out
+
+    def _attend_windowed(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttnMeta,
+        window: int,
+    ) -> torch.Tensor:
+        """``attend`` (K/V already written) for a layer whose queries see ``window`` positions."""
+        n, heads, hd = q.shape
+        rowwise = meta.rowwise or [False] * n
+        out = torch.empty(n, heads * hd, dtype=q.dtype, device=q.device)
+        if any(rowwise):
+            rs = meta.window_rows(window, q.dtype)
+            rows = q if rs.idx is None else q[rs.idx]
+            o = self._attend_rows(layer, rows, rs).view(len(rs.lens), heads * hd)
+            if rs.idx is None:
+                return o
+            out[rs.idx] = o
+        for s in meta.spans:
+            if rowwise[s.rows[0]]:
+                continue
+            at = s.row_slice if s.row_slice is not None else s.rows
+            if max(s.q_positions) < window:
+                out[at] = self._attend_span(layer, q, k, v, s)
+            else:
+                out[at] = self._attend_span_window(layer, q, s, window)
+        return out
+
+    def _attend_span_window(
+        self, layer: int, q: torch.Tensor, s: SeqSpan, window: int
+    ) -> torch.Tensor:
+        """SDPA of a span's queries over the positions their windows cover."""
+        n = len(s.rows)
+        if s.window_bias is None:
+            s.window_bias = _window_bias(s, window, q.dtype)
+        lo, bias = s.window_bias
+        slots = s.context_slots[lo : lo + bias.shape[-1]]
+        kc = self.k[layer].index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, T', hd]
+        vc = self.v[layer].index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        qs = s.take(q).transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+        o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=bias, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1).reshape(n, -1)
 
     def _attend_rows(self, layer: int, q: torch.Tensor, rs: RowSet) -> torch.Tensor:
         """q [R, H, hd] of the row-wise rows ``rs`` -> [R, H, hd]."""
@@ -285,3 +376,15 @@ def _causal_bias(s: SeqSpan, dtype: torch.dtype) -> torch.Tensor:
     hidden = torch.arange(len(s.context_slots), device=dev)[None, :] > qpos[:, None]  # [n, T]
     bias = torch.zeros(hidden.shape, dtype=dtype, device=dev).masked_fill_(hidden, float("-inf"))
     return bias[None, None]
+
+
+def _window_bias(s: SeqSpan, window: int, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+    """(lo, [1, 1, n, T']): the span reads context positions lo .. lo + T' - 1; 0 where query i
+    (at position p) may see the position (p - window < position <= p), else -inf."""
+    dev = s.context_slots.device
+    qpos = torch.tensor(s.q_positions, device=dev)
+    lo = max(0, min(s.q_positions) - window + 1)
+    kpos = torch.arange(lo, max(s.q_positions) + 1, device=dev)[None, :]  # [1, T']
+    seen = (kpos <= qpos[:, None]) & (kpos > qpos[:, None] - window)  # [n, T']
+    bias = torch.zeros(seen.shape, dtype=dtype, device=dev).masked_fill_(~seen, float("-inf"))
+    return lo, bias[None, None]

