@@ -99,6 +99,7 @@ def _ordered(adapters: Any, delta: BaseDelta) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+@pytest.mark.slow
 def test_sidecar_v2_round_trip_and_engine_matches_hf(tiny_varied_dir: Path, tmp_path: Path) -> None:
     """A v2 sidecar in the model folder: the engine merges its delta before packing, and full
     depth equals HF transformers on the HF weights with W + s B A added by HF projection name."""

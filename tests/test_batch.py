@@ -21,44 +21,10 @@ from eeserve.cli import main
 from eeserve.sampling_params import SamplingParams
 from eeserve.server.batch import read_envelopes
 from eeserve.server.batch_run import BatchProcessor
+from tests.batch_files import read_output, request_line, run_cli, stable, write_batch
 from tests.tiny_model import make_llm
 
 SURROGATE = "\ud800"
-PROMPTS = ["The quick brown fox", "Paris is the capital", "def add(a, b):", "One two three"]
-
-
-def request_line(i: int, model: str) -> dict[str, Any]:
-    """Request ``i`` of a test batch: completions and chats, greedy, a few tokens."""
-    if i % 2:
-        url = "/v1/chat/completions"
-        body: dict[str, Any] = {"messages": [{"role": "user", "content": PROMPTS[i % 4]}]}
-    else:
-        url, body = "/v1/completions", {"prompt": PROMPTS[i % 4] + f" {i}"}
-    body |= {"model": model, "max_tokens": 3 + i % 5, "temperature": 0}
-    return {"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body}
-
-
-def write_batch(path: Path, model: str, n: int, malformed: dict[int, str]) -> None:
-    """``n`` lines; line ``k`` (1-based) in ``malformed`` is that raw text instead."""
-    rows = [malformed.get(k + 1) or json.dumps(request_line(k, model)) for k in range(n)]
-    path.write_text("\n".join(rows) + "\n")
-
-
-def read_output(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def stable(out: dict[str, Any]) -> dict[str, Any]:
-    """An output line without what differs between runs (ids and timestamps)."""
-    body = dict((out.get("response") or {}).get("body") or {})
-    for key in ("id", "created"):
-        body.pop(key, None)
-    return {"custom_id": out["custom_id"], "body": body, "error": out["error"]}
-
-
-def run_cli(src: Path, dst: Path, model: Path, *extra: str) -> int:
-    argv = ["batch", str(src), "--output", str(dst), "--model", str(model)]
-    return main([*argv, "--kv-cache-memory", "8000000", "--no-progress", *extra])
 
 
 def test_batch_file_with_malformed_lines_and_resume(

@@ -3,6 +3,7 @@ of its MLP half. Checked against HF transformers hidden states and plain referen
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from eeserve import ExitParams, SamplingParams
-from eeserve.cli import _build_parser
+from eeserve.cli import main as cli_main
 from eeserve.models.config import ModelConfig, rope_tables
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import ExitHeads, load_exit_setup, load_sidecar, save_sidecar
@@ -296,10 +297,21 @@ def _opts(folder: Path, cache: Path, **kw: Any) -> TuneOptions:
 
 
 def test_tune_exits_with_layer_heads(tiny_varied_dir: Path, tmp_path: Path) -> None:
+    """``eeserve tune-exits --adapter layer`` end to end: trained heads that beat the logit lens,
+    the sidecar and report written into the model folder, the base untouched, the engine using
+    it."""
     folder = tmp_path / "model"
     shutil.copytree(tiny_varied_dir, folder)
     before = base_weight_hashes(folder)
-    report = tune(_opts(folder, tmp_path / "cache"))
+    argv = [
+        "tune-exits", str(folder), "--exit-layers", "1,2", "--out", str(folder),
+        "--adapter", "layer", "--layer-lr", "1e-3", "--tokens", "600", "--heldout-tokens", "300",
+        "--steps", "60", "--batch-size", "64", "--lr", "3e-3", "--max-tokens", "24",
+        "--threads", "1", "--cache-dir", str(tmp_path / "cache"),
+    ]  # fmt: skip
+    assert cli_main(argv) == 0
+    report = json.loads((folder / "tune_report.json").read_text())
+    assert (report["options"]["adapter"], report["options"]["layer_lr"]) == ("layer", 1e-3)
     assert base_weight_hashes(folder) == before
     for stats in report["training"].values():
         assert stats["last_loss"] < stats["first_loss"], stats
@@ -345,9 +357,3 @@ def test_layer_head_training_and_sidecar_round_trip(tiny_varied_dir: Path, tmp_p
                 model.lm_head(heads.normed(layer, h)), model.lm_head(heads2.normed(layer, h))
             )
             assert torch.equal(heads.probe(layer, h), heads2.probe(layer, h))
-
-
-def test_cli_parses_layer_adapter(tmp_path: Path) -> None:
-    argv = ["tune-exits", "smollm2", "--exit-layers", "6,10", "--out", str(tmp_path)]
-    args = _build_parser().parse_args([*argv, "--adapter", "layer", "--layer-lr", "3e-4"])
-    assert (args.adapter, args.layer_lr) == ("layer", 3e-4)

@@ -234,6 +234,7 @@ class Page:
         return dict(json.loads(text))
 
 
+@pytest.mark.slow
 @browser
 def test_chat_colours_tokens_by_exit_layer(server: Server, driver: Any) -> None:
     page = Page(driver, server.base)
@@ -270,6 +271,7 @@ def test_chat_colours_tokens_by_exit_layer(server: Server, driver: Any) -> None:
     assert len(page.css(".msg.assistant")) == 2
 
 
+@pytest.mark.slow
 @browser
 @pytest.mark.parametrize(("value", "fragment"), [("5", "[-1, 1]"), ("abc", "valid number")])
 def test_bad_threshold_shows_server_error(
@@ -286,6 +288,7 @@ def test_bad_threshold_shows_server_error(
     assert page.el("prompt").get_attribute("value") == "Hi"
 
 
+@pytest.mark.slow
 @browser
 def test_without_the_key_the_page_says_so(server: Server, driver: Any) -> None:
     page = Page(driver, server.base, key=None)
@@ -295,6 +298,7 @@ def test_without_the_key_the_page_says_so(server: Server, driver: Any) -> None:
     assert "API key" in page.error() and not page.css(".msg")
 
 
+@pytest.mark.slow
 @browser
 def test_full_depth_comparison_and_metrics(server: Server, driver: Any) -> None:
     page = Page(driver, server.base)
@@ -331,6 +335,7 @@ def test_full_depth_comparison_and_metrics(server: Server, driver: Any) -> None:
     assert page.css('dd[data-metric="layers saved"]')[0].text.endswith("%")
 
 
+@pytest.mark.slow
 @browser
 def test_phone_width(server: Server, driver: Any) -> None:
     driver.set_window_size(390, 844)
@@ -350,6 +355,7 @@ def test_phone_width(server: Server, driver: Any) -> None:
         driver.set_window_size(1280, 900)
 
 
+@pytest.mark.slow
 @browser
 def test_hover_shows_speculative_fields_when_present(server: Server, driver: Any) -> None:
     """A `draft` object (speculative decoding) in an entry is shown; without it nothing breaks."""

@@ -19,11 +19,14 @@ import pytest
 
 from eeserve.sampling_params import SamplingParams
 from eeserve.server.replicas import ReplicaOptions, launch_replicas, stop_replicas
-from tests.test_batch import read_output, request_line, run_cli, stable, write_batch
+from tests.batch_files import read_output, request_line, run_cli, stable, write_batch
 from tests.tiny_model import make_llm
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
+
+# Ray and Ray Serve start processes and a cluster: the slow tests (make test runs them).
+pytestmark = pytest.mark.slow
 
 HOST = "127.0.0.1"
 API_KEY = "ray-key"

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from eeserve import SamplingParams
+from eeserve import ExitParams, SamplingParams
 from eeserve.models.exit_heads import CONFIG_NAME
 from eeserve.models.loader import packaged_sidecar, resolve_model
 from tests.tiny_model import add_base_delta, hf_greedy, load_hf, make_llm
@@ -50,3 +50,21 @@ def test_variant_generates_with_early_exit_at_its_default() -> None:
     assert len(layers) == 48 and stats is not None
     assert all(lay in (*cfg.exit_layers, cfg.num_layers) for lay in layers)
     assert stats.mean_exit_layer == pytest.approx(sum(layers) / len(layers))
+
+
+def test_variant_exits_early_at_a_low_threshold() -> None:
+    """At a loose threshold the variant's probes let tokens leave before full depth, and each
+    leaves at one of its exit layers: the exits are live, not only allowed."""
+    llm = make_llm("smollm2-ee", kv_cache_memory=64 * 2**20)
+    cfg = llm.engine.exit_config
+    assert cfg is not None
+    out = llm.generate(
+        ["Explain why the sky is blue."],
+        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+        exit_params=ExitParams(mode="exit", threshold=0.5, measure="classifier"),
+        use_tqdm=False,
+    )[0].outputs[0]
+    early = [lay for lay in out.exit_layers if lay < cfg.num_layers]
+    assert early, out.exit_layers
+    assert set(early) <= set(cfg.exit_layers)
+    assert out.exit_stats is not None and out.exit_stats.layers_saved_fraction > 0

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from eeserve import ExitParams, SamplingParams
-from eeserve.cli import _build_parser
+from eeserve.cli import main as cli_main
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import build_exit_heads, load_exit_setup, load_sidecar, save_sidecar
 from eeserve.models.loader import load_model, packaged_sidecar
 from eeserve.tuning.data import Group, collect, text_groups
 from eeserve.tuning.heads import init_heads, train_head, tune_layers
 from eeserve.tuning.options import TuneOptions
-from eeserve.tuning.tune import _head_config, tune
+from eeserve.tuning.tune import tune
 from tests.tiny_model import base_weight_hashes, make_llm, tiny_tune_options
 
 LAYERS = [1, 2, 3]
@@ -165,25 +165,37 @@ def test_text_data_files(tuned: Tuned, tmp_path: Path) -> None:
         text_groups([tmp_path / "c.csv"], tok)
 
 
-def test_cli_parses_tune_exits(tmp_path: Path) -> None:
-    argv = ["tune-exits", "smollm2", "--exit-layers", "6,10", "--out", str(tmp_path)]
-    args = _build_parser().parse_args(
-        [*argv, "--adapter", "lowrank", "--seed", "3", "--steps", "7"]
-    )
-    assert (args.exit_layers, args.adapter, args.seed, args.steps) == ("6,10", "lowrank", 3, 7)
-    assert callable(args.func)
-    # The packaged smollm2 sidecar's defaults come from these flags (Makefile tune-default).
-    extra = ["--default-mode", "speculative", "--default-draft", "int8", "--draft-vocab", "8192"]
-    args = _build_parser().parse_args([*argv, *extra])
-    opts = TuneOptions(
-        "smollm2", [6, 10], tmp_path, default_mode=args.default_mode,
-        default_draft=args.default_draft, draft_vocab=args.draft_vocab,
-    )  # fmt: skip
-    cfg = _head_config(opts, 30, [6, 10], 1536)
-    assert (cfg.default_mode, cfg.default_draft, cfg.draft_vocab) == ("speculative", "int8", 8192)
-    assert opts.key() == TuneOptions("smollm2", [6, 10], tmp_path).key()  # same trained heads
-    with pytest.raises(SystemExit):
-        _build_parser().parse_args([*argv, "--default-draft", "fp8"])
+def test_tune_exits_command_writes_what_its_flags_ask(
+    tiny_varied_dir: Path, tmp_path: Path
+) -> None:
+    """``eeserve tune-exits`` end to end on the tiny model: the adapter, rank, exit layers and the
+    sidecar's defaults (the packaged smollm2 sidecar's come from these flags, Makefile
+    tune-default) land in the sidecar, the seed in the report, and the base stays untouched."""
+    before = base_weight_hashes(tiny_varied_dir)
+    out = tmp_path / "heads"
+    argv = [
+        "tune-exits", str(tiny_varied_dir), "--exit-layers", "1,2", "--out", str(out),
+        "--adapter", "lowrank", "--rank", "8", "--seed", "3", "--steps", "20", "--tokens", "400",
+        "--heldout-tokens", "200", "--batch-size", "64", "--max-tokens", "24", "--threads", "1",
+        "--cache-dir", str(tmp_path / "cache"),
+    ]  # fmt: skip
+    defaults = ["--default-mode", "speculative", "--default-draft", "int8", "--draft-vocab", "64"]
+    assert cli_main([*argv, *defaults]) == 0
+    found = load_sidecar(out)
+    assert found is not None
+    cfg, weights = found
+    assert (cfg.adapter, cfg.adapter_rank, cfg.exit_layers) == ("lowrank", 8, [1, 2])
+    assert (cfg.default_mode, cfg.default_draft, cfg.draft_vocab) == ("speculative", "int8", 64)
+    assert "heads.2.adapter.layers.1.weight" in weights  # lowrank: two layers
+    report = json.loads((out / "tune_report.json").read_text())
+    assert report["options"]["seed"] == 3 and report["options"]["adapter"] == "lowrank"
+    assert base_weight_hashes(tiny_varied_dir) == before
+    # The sidecar's defaults are not part of the trained heads' key: the same heads either way.
+    opts = TuneOptions("smollm2", [6, 10], tmp_path, default_mode="speculative", draft_vocab=64)
+    assert opts.key() == TuneOptions("smollm2", [6, 10], tmp_path).key()
+    with pytest.raises(SystemExit) as exc:
+        cli_main([*argv, "--default-draft", "fp8"])
+    assert exc.value.code == 2
 
 
 def test_packaged_default_sidecar_loads() -> None:
@@ -203,12 +215,10 @@ def test_packaged_default_sidecar_loads() -> None:
 def test_bench_exits_section_runs_on_a_tuned_sidecar(tuned: Tuned, tmp_path: Path) -> None:
     """The efficiency check (every token exits at one layer) uses the sidecar's first exit
     layer: a tuned sidecar has heads nowhere else."""
-    from eeserve.cli import main
-
     out = tmp_path / "bench.json"
     argv = ["bench", "--model", str(tuned.folder), "--sections", "exits", "--out", str(out)]
     small = ["--batch-sizes", "2", "--max-tokens", "4", "--repeats", "1", "--prompt-len", "8"]
-    assert main([*argv, *small, "--thresholds", "0.5", "--policies", "per_sequence"]) == 0
+    assert cli_main([*argv, *small, "--thresholds", "0.5", "--policies", "per_sequence"]) == 0
     rows = {r["threshold"]: r for r in json.loads(out.read_text())["exits"]}
     assert set(rows) == {"0.5", f"0@{LAYERS[0]}"}
     # Prefill's first token is full depth; the other three leave at the first exit layer.
