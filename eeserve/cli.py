@@ -90,6 +90,21 @@ def _dispatch(args: argparse.Namespace) -> int:
     raise AssertionError(args.command)
 
 
+def _exit_params(args: argparse.Namespace) -> ExitParams | None:
+    """The request's exit rule from the flags (None: the model's default mode)."""
+    if args.no_exit:
+        return ExitParams(enabled=False)
+    rule = (args.exit_threshold, args.exit_measure, args.exit_mode, args.num_draft_tokens)
+    if all(x is None for x in rule):
+        return None
+    return ExitParams(
+        threshold=args.exit_threshold,
+        measure=args.exit_measure,
+        mode=args.exit_mode,
+        num_draft_tokens=args.num_draft_tokens,
+    )
+
+
 def _generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config(args))
     params = SamplingParams(
@@ -99,20 +114,7 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
     )
-    if args.no_exit:
-        exit_params: ExitParams | None = ExitParams(enabled=False)
-    elif any(
-        x is not None
-        for x in (args.exit_threshold, args.exit_measure, args.exit_mode, args.num_draft_tokens)
-    ):
-        exit_params = ExitParams(
-            threshold=args.exit_threshold,
-            measure=args.exit_measure,
-            mode=args.exit_mode,
-            num_draft_tokens=args.num_draft_tokens,
-        )
-    else:
-        exit_params = None
+    exit_params = _exit_params(args)
     if args.chat:
         ids = chat_token_ids(engine.tokenizer, [{"role": "user", "content": args.prompt}])
     else:

@@ -2,7 +2,8 @@
 
 Contract: ``EngineConfig`` holds every engine-level option (model, dtype, device, KV budget,
 batching limits, prefix caching, early-exit policy and KV-debt strategy, CPU kernels, weight-only
-quantisation, what drafts in speculative mode). Invalid
+quantisation, what drafts in speculative mode), each field with its help text and choices: the
+command-line flags are derived from these fields (``engine_args``), nowhere else. Invalid
 values raise ``ValueError`` naming the field. ``resolved_device``/``resolved_dtype`` turn "auto"
 into real values: float32 on CPU, bfloat16 on CUDA. ``eeserve_home()`` is where the engine keeps
 what it makes once per machine (converted models, built kernels): ``$EESERVE_HOME``, default
@@ -12,8 +13,9 @@ what it makes once per machine (converted models, built kernels): ``$EESERVE_HOM
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,50 +25,91 @@ EXIT_POLICIES = ("per_sequence", "batch_all", "none")
 KV_FILL_STRATEGIES = ("fill", "recompute")
 QUANTIZATIONS = ("int8",)
 SPECULATIVE_DRAFTS = ("auto", *DRAFT_SOURCES)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Positions per forward pass unless set: on two CPU cores a pass of 8 decode rows and a prompt
 # chunk within this budget keeps the streams' p99 gap within ~4x of a decode step
-# (docs/benchmarks.md, "Session 9"; 128 until decode steps got faster).
+# (docs/benchmarks.md, "Chunked prefill").
 DEFAULT_BATCHED_TOKENS = 112
 # Unset, the budget leaves prompts at least this many positions beside max_num_seqs decode rows.
 MIN_PROMPT_ROOM = 48
 
 
+def _option(
+    default: Any, help: str, choices: tuple[str, ...] = (), aliases: tuple[str, ...] = ()
+) -> Any:
+    """A config field with what its command-line flag needs (``engine_args`` derives the flag:
+    ``--field-name``, plus ``aliases``; booleans get ``--no-...`` too)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
+
+
 @dataclass
 class EngineConfig:
-    model: str = "smollm2"
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    # Bytes (int > 1) or a fraction of free memory (float in (0, 1]); device memory on CUDA.
-    kv_cache_memory: float = 512 * 2**20
-    max_num_seqs: int = 64
-    # Positions one forward pass computes at most. With chunked prefill, decode rows go first and
-    # prompts fill the rest in chunks; without it, a whole prompt always fits in one pass. None:
-    # DEFAULT_BATCHED_TOKENS, or max_num_seqs + MIN_PROMPT_ROOM where more may decode at once.
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    # A prompt chunk's position p counts 1 + p / attention_context against the budget (its
-    # attention over p earlier positions): None derives it from the model's shape and the device
-    # (``CostModel.attention_context``); 0 counts every position as one.
-    attention_context: float | None = None
-    exit_policy: str = "per_sequence"
-    kv_fill: str = "fill"
-    # The engine's fused CPU kernels (eeserve/csrc, built once per machine); off: PyTorch ops only.
-    cpu_kernels: bool = True
-    # Weight-only quantisation of the projections and LM head at load (None: the dtype's weights).
-    quantization: str | None = None
-    # What drafts for requests in ``speculative`` mode: "exits" (the exit heads, at the exit
-    # rules' layers) or "int8" (an int8 copy of the model's own weights, at full depth; loaded
-    # beside the float weights); "auto": the exit config's ``default_draft`` ("exits" when the
-    # model is quantised or exits are off).
-    speculative_draft: str = "auto"
+    """Every engine option, declared once: the flags of ``generate``/``serve``/``batch``/
+    ``calibrate`` and ``LLM(**options)`` are these fields."""
+
+    model: str = _option("smollm2", "smollm2, smollm2-ee, an HF folder or a .gguf file")
+    dtype: str = _option(
+        "auto",
+        "activations and weights (auto: float32 on CPU, bfloat16 on CUDA)",
+        ("auto", *DTYPES),
+    )
+    device: str = _option("auto", "auto, cpu, cuda, cuda:N")
+    block_size: int = _option(16, "positions per KV block")
+    kv_cache_memory: float = _option(
+        512 * 2**20,
+        "KV pool: bytes (> 1), or a fraction (0, 1] of free memory (device memory on CUDA)",
+    )
+    max_num_seqs: int = _option(64, "sequences one forward pass holds at most")
+    max_num_batched_tokens: int | None = _option(
+        None,
+        "positions one forward pass computes at most; with chunked prefill, decode rows go first "
+        "and prompts fill the rest in chunks, without it a whole prompt always fits in one pass "
+        f"(default {DEFAULT_BATCHED_TOKENS}, or --max-num-seqs + {MIN_PROMPT_ROOM} when that is "
+        "more)",
+    )
+    max_model_len: int | None = _option(
+        None, "longest prompt + output (default: the model's context, capped by the KV pool)"
+    )
+    enable_prefix_caching: bool = _option(
+        True, "reuse the KV blocks of shared prompt prefixes", aliases=("--prefix-caching",)
+    )
+    enable_chunked_prefill: bool = _option(
+        True, "mix decode rows and prompt chunks in one pass (no decode stalls on long prompts)"
+    )
+    attention_context: float | None = _option(
+        None,
+        "a prompt chunk's position p counts 1 + p / this against the budget (its attention over "
+        "p earlier positions); default: from the model's shape and the device; 0: one per "
+        "position",
+    )
+    exit_policy: str = _option(
+        "per_sequence", "how rows of one batch leave early (docs/early-exit.md)", EXIT_POLICIES
+    )
+    kv_fill: str = _option(
+        "fill",
+        "how the K/V that exited tokens skipped is paid (docs/early-exit.md)",
+        KV_FILL_STRATEGIES,
+    )
+    cpu_kernels: bool = _option(
+        True, "the engine's own CPU kernels (built once per machine); off: PyTorch ops only"
+    )
+    quantization: str | None = _option(
+        None,
+        "weight-only int8 projections and LM head at load (activations stay in --dtype)",
+        QUANTIZATIONS,
+    )
+    speculative_draft: str = _option(
+        "auto",
+        "what drafts for speculative-mode requests: the exit heads (at the exit rules' layers), "
+        "or an int8 copy of the model's weights (full depth; loaded beside the float weights); "
+        "auto: the model's default (its exit config's default_draft; exits when the model is "
+        "quantised or exits are off)",
+        SPECULATIVE_DRAFTS,
+    )
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and int(value) < 1:
@@ -120,7 +163,7 @@ class EngineConfig:
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     def kv_cache_bytes(self) -> int:
         """The KV budget in bytes (a fraction is taken of currently free memory)."""

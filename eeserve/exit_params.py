@@ -1,7 +1,7 @@
 """Per-request early-exit parameters (public API), with the measure names they may name.
 
 Contract: ``ExitParams`` validates on construction and raises ``ValueError`` naming the field;
-the engine resolves it against the model's exit config (``engine.exits.resolve_exit_plan``).
+the engine resolves it against the model's exit config (``engine.plan.resolve_exit_plan``).
 """
 
 from __future__ import annotations

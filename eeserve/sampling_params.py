@@ -41,6 +41,10 @@ class SamplingParams:
             self.stop_token_ids,
         )
         self.stop_token_ids = list(self.stop_token_ids)
+        self._check_numbers()
+        self._check_stops()
+
+    def _check_numbers(self) -> None:
         _check(
             _is_int(self.max_tokens) and self.max_tokens >= 1,
             "max_tokens",
@@ -69,6 +73,15 @@ class SamplingParams:
             self.seed,
         )
         _check(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            "an integer in [0, 20] or None",
+            self.logprobs,
+        )
+
+    def _check_stops(self) -> None:
+        assert isinstance(self.stop, list)
+        _check(
             all(isinstance(s, str) and s for s in self.stop),
             "stop",
             "a list of non-empty strings",
@@ -83,12 +96,6 @@ class SamplingParams:
             self.stop_token_ids,
         )
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
-        _check(
-            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-            "logprobs",
-            "an integer in [0, 20] or None",
-            self.logprobs,
-        )
 
     @property
     def greedy(self) -> bool:

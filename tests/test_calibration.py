@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from eeserve.cli import main as cli_main
-from eeserve.engine.exits import calibrated_threshold, resolve_exit_plan
+from eeserve.engine.plan import calibrated_threshold, resolve_exit_plan
 from eeserve.exit_params import ExitParams
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import load_sidecar
 from eeserve.sampling_params import SamplingParams
-from eeserve.tuning import calibrate as calibrate_cmd
-from eeserve.tuning.calibrate import target_folder, with_calibration
+from eeserve.tuning import calibration_store
+from eeserve.tuning.calibration_store import target_folder, with_calibration
 from eeserve.tuning.ltt import (
     bentkus_pvalue,
     binom_cdf,
@@ -187,7 +187,7 @@ def test_with_calibration_replaces_the_same_entry_and_sets_the_default() -> None
 
 
 def test_default_model_needs_its_packaged_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(calibrate_cmd, "packaged_sidecar", lambda spec: None)
+    monkeypatch.setattr(calibration_store, "packaged_sidecar", lambda spec: None)
     with pytest.raises(ValueError, match="--out-config"):
         target_folder("smollm2", None)
     assert target_folder("smollm2", "/some/dir") == Path("/some/dir")

@@ -298,7 +298,7 @@ def test_recompute_with_batch_and_preemption(tiny_varied_dir: Path) -> None:
 
 
 def test_calibration_applies_only_to_its_policy() -> None:
-    from eeserve.engine.exits import resolve_exit_plan
+    from eeserve.engine.plan import resolve_exit_plan
     from eeserve.models.exit_config import ExitConfig
 
     cfg = ExitConfig(

@@ -10,7 +10,7 @@ import pytest
 
 from eeserve import LLM, EngineConfig, SamplingParams
 from eeserve.cli import main
-from eeserve.engine.speculative import INT8_DRAFT_MAX_BATCH
+from eeserve.engine.speculator import INT8_DRAFT_MAX_BATCH
 from eeserve.exit_params import ExitParams
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import save_sidecar

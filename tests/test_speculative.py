@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from eeserve import LLM, SamplingParams
 from eeserve.cli import main
-from eeserve.engine.speculative import DRAFT_MAX_BATCH, accept_sampled
+from eeserve.engine.speculative import accept_sampled
+from eeserve.engine.speculator import DRAFT_MAX_BATCH
 from eeserve.exit_params import ExitParams
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import save_sidecar

@@ -105,17 +105,22 @@ def _sweep(
             ideal = cost.ideal_ratio(cfg.num_layers, round(r.mean_exit_layer))
             row.update(ideal_ratio=ideal, efficiency=ratio / ideal)
         rows.append(row)
-        eff = (
-            f"  ideal {row['ideal_ratio']:.2f}x  measured/ideal {row['efficiency']:.0%}"
-            if "efficiency" in row
-            else ""
-        )
-        print(
-            f"{policy:12s} {kv_fill:9s} batch {len(prompts):3d} thr {label:>6s}: "
-            f"{r.decode_tokens_per_s:7.1f} tok/s ({ratio:.2f}x full {full.decode_tokens_per_s:.1f})"
-            f"  ITL {r.mean_itl_ms:6.1f} ms (full {full.mean_itl_ms:.1f})"
-            f"  exit {r.mean_exit_layer:5.2f}"
-            f"  agree {agree:.3f}  ROUGE-L {rouge:.3f}{eff}",
-            flush=True,
-        )
+        _print_row(row)
     return rows
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    eff = (
+        f"  ideal {row['ideal_ratio']:.2f}x  measured/ideal {row['efficiency']:.0%}"
+        if "efficiency" in row
+        else ""
+    )
+    print(
+        f"{row['policy']:12s} {row['kv_fill']:9s} batch {row['batch']:3d} "
+        f"thr {row['threshold']:>6s}: {row['decode_tok_s']:7.1f} tok/s "
+        f"({row['ratio']:.2f}x full {row['full_decode_tok_s']:.1f})"
+        f"  ITL {row['itl_ms']:6.1f} ms (full {row['full_itl_ms']:.1f})"
+        f"  exit {row['mean_exit_layer']:5.2f}"
+        f"  agree {row['token_agreement']:.3f}  ROUGE-L {row['rouge_l']:.3f}{eff}",
+        flush=True,
+    )

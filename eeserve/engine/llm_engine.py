@@ -17,13 +17,15 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from eeserve.config import EngineConfig
 from eeserve.engine.block_manager import BlockManager
 from eeserve.engine.detokenizer import Detokenizer
-from eeserve.engine.exits import ExitPlan, resolve_exit_plan
-from eeserve.engine.model_runner import ModelRunner, StepOutput
+from eeserve.engine.model_runner import ModelRunner, RunnerOptions
+from eeserve.engine.plan import ExitPlan, resolve_exit_plan
+from eeserve.engine.runner_output import SeqStep
 from eeserve.engine.scheduler import Scheduler, SchedulerConfig
 from eeserve.engine.sequence import Sequence
 from eeserve.engine.speculative import SpecOutput
 from eeserve.exit_params import ExitParams
 from eeserve.kernels.native import load as load_native
+from eeserve.models.config import ModelConfig
 from eeserve.models.cost import CostModel
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import load_exit_setup
@@ -59,6 +61,15 @@ def _speculative_draft(
     return exit_config.default_draft if usable and load_native() is not None else "exits"
 
 
+def _num_blocks(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype) -> int:
+    """KV blocks that ``kv_cache_memory`` holds for this model and dtype."""
+    bytes_per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * dtype.itemsize
+    num_blocks = config.kv_cache_bytes() // (bytes_per_token * config.block_size)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds no KV block")
+    return num_blocks
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -71,20 +82,15 @@ class LLMEngine:
         self.eos_token_ids = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
-
-        bytes_per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * dtype.itemsize
-        num_blocks = config.kv_cache_bytes() // (bytes_per_token * config.block_size)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds no KV block")
+        num_blocks = _num_blocks(config, mcfg, dtype)
         pool_tokens = num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, pool_tokens)
         log.info(
-            "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB); max_model_len %d; "
+            "KV pool: %d blocks x %d tokens = %d tokens; max_model_len %d; "
             "%d sequences of max_model_len fit",
             num_blocks,
             config.block_size,
             pool_tokens,
-            num_blocks * config.block_size * bytes_per_token / 2**20,
             self.max_model_len,
             pool_tokens // self.max_model_len,
         )
@@ -102,36 +108,37 @@ class LLMEngine:
             base=folder,
         )
         self.speculative_draft = _speculative_draft(config, self.exit_config, device, dtype)
-        self.runner = ModelRunner(
-            model,
-            mcfg,
+        opts = RunnerOptions(
             num_blocks,
             config.block_size,
             self.max_model_len,
             device,
             dtype,
-            self.exit_config,
-            heads,
             config.exit_policy,
             config.kv_fill,
             config.cpu_kernels,
             config.quantization,
             self.speculative_draft,
         )
+        self.runner = ModelRunner(model, mcfg, opts, self.exit_config, heads)
+        self.scheduler = Scheduler(self._scheduler_config(), self.block_manager)
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, Detokenizer] = {}
+        self._counter = 0
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        config = self.config
         budget = config.batched_tokens()
         if not config.enable_chunked_prefill:  # a whole prompt must fit in one pass
             budget = max(budget, self.max_model_len)
         context = config.attention_context
         if context is None:
+            device = self.runner.device
             efficiency = _attention_efficiency(device, self.runner.kv.native is not None)
-            context = CostModel.of(mcfg).attention_context(mcfg, efficiency)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, budget, config.enable_chunked_prefill, context),
-            self.block_manager,
-        )
-        self._seqs: dict[str, Sequence] = {}
-        self._detok: dict[str, Detokenizer] = {}
-        self._counter = 0
+            context = CostModel.of(self.model_config).attention_context(
+                self.model_config, efficiency
+            )
+        return SchedulerConfig(config.max_num_seqs, budget, config.enable_chunked_prefill, context)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -214,36 +221,32 @@ class LLMEngine:
             return []
         out = self.runner.execute(sched.seqs, sched.num_tokens)
         outputs = []
-        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_tokens)):
-            if out.token_ids[i] is None:  # a prompt chunk: K/V written, no token yet
+        for seq, n, result in zip(sched.seqs, sched.num_tokens, out.seqs):
+            if result.token_id is None and result.spec is None:  # a prompt chunk: K/V only
                 seq.num_computed_tokens += n
                 self.block_manager.commit(seq)
             else:
-                outputs.append(self._apply(seq, out, i))
+                outputs.append(self._apply(seq, result))
         return outputs
 
-    def _apply(self, seq: Sequence, out: StepOutput, i: int) -> RequestOutput:
-        spec = out.spec[i] if out.spec else None
-        if spec is not None:
-            self._apply_spec(seq, spec, out.kv_debt[i], out.confidences[i])
+    def _apply(self, seq: Sequence, r: SeqStep) -> RequestOutput:
+        if r.spec is not None:
+            self._apply_spec(seq, r.spec, r.kv_debt, r.confidence)
             return self._output(seq)
         seq.num_computed_tokens = seq.num_tokens
         # The exit layer of this pass is the depth of the last position just computed: record it
         # before ``commit`` hashes that position's block, or the key lacks it and never matches
         # the key ``allocate`` computes later (a resumed sequence would miss its own blocks).
-        seq.exit_layers.append(out.exit_layers[i])
-        debt = out.kv_debt[i] if out.kv_debt else None
-        if debt is not None:
-            seq.kv_debt = debt
+        seq.exit_layers.append(r.exit_layer)
+        if r.kv_debt is not None:
+            seq.kv_debt = r.kv_debt
         self.block_manager.commit(seq)
-        token = out.token_ids[i]
-        assert token is not None
-        seq.output_token_ids.append(token)
-        seq.exit_confidences.append(out.confidences[i])
-        lp = out.logprobs[i] if out.logprobs else None
-        if lp is not None:
-            seq.logprobs.append(lp)
-        reason = self._check_stop(seq, token)
+        assert r.token_id is not None
+        seq.output_token_ids.append(r.token_id)
+        seq.exit_confidences.append(r.confidence)
+        if r.logprobs is not None:
+            seq.logprobs.append(r.logprobs)
+        reason = self._check_stop(seq, r.token_id)
         if reason is not None:
             self._finish(seq, reason)
         return self._output(seq)

@@ -13,7 +13,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from eeserve.engine.exits import ExitPlan
+from eeserve.engine.plan import ExitPlan
 from eeserve.engine.speculative import SpecState
 from eeserve.exit_params import ExitParams
 from eeserve.sampling_params import SamplingParams

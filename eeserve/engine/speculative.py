@@ -1,4 +1,4 @@
-"""Self-speculative decoding: an early exit drafts, the layers above it verify.
+"""Self-speculative decoding, the per-sequence half: draft bookkeeping and acceptance.
 
 Contract:
 - ``SpecState`` (pure Python, on the ``Sequence``) holds a speculative request's pending drafts
@@ -10,12 +10,8 @@ Contract:
   ``accept_sampled`` is speculative sampling (accept with min(1, p/q), resample from the
   normalised max(0, p - q)), so the output distribution is exactly full depth's.
 - ``SpecOutput`` is what the model runner reports per speculative sequence and step.
-How a step works (see ``ExitLoop``): a drafting row carries an exit plan; when it is confident
-at an exit it leaves with a draft token and owes the deep layers of its position (the
-``recompute`` KV debt). A row that is not confident at any exit, or that may not draft (limit
-reached), runs to full depth with every owed position as a passenger: that is the verification,
-and the final head is applied to those passenger rows too. The engine then rolls back the
-rejected positions (``LLMEngine._apply_spec``, ``BlockManager.truncate``).
+The runner-side component that decides what drafts and what is kept is ``engine.speculator``;
+how a step drafts and verifies is in docs/design.md ("Speculative mode").
 """
 
 from __future__ import annotations
@@ -24,27 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eeserve.engine.sampler import Sampler, race, token_logprobs
-from eeserve.sampling_params import SamplingParams
+from eeserve.engine.sampler import race
 
 # Two verifications in a row that accept nothing pause drafting for this many verified tokens.
 PAUSE_AFTER_REJECTIONS = 2
 PAUSE_TOKENS = 8
-# No drafting in decode steps of more sequences than this. Every kept token still runs all L
-# layers (a draft's deep layers run later, as a verification passenger), so speculation only
-# pays where a step's cost hardly grows with its rows (weight reads dominate: small batches).
-# On CPU a batch of 8 is already compute-bound: measured 0.70x full depth with drafting at
-# batch 8 and 32 (docs/speculative.md); 4 is a cautious guess between measured points.
-DRAFT_MAX_BATCH = 4
-# The int8 drafter (``speculative_draft="int8"``) drafts at about half a step's cost at small
-# batches; what limits it is the verification pass, whose rows (every sequence's drafts plus one)
-# stop being nearly free once the pass is compute-bound. Sequences draft only in steps of at most
-# INT8_DRAFT_MAX_BATCH rows, and again only while rows times (their drafts + 2) stay within
-# VERIFY_MAX_ROWS: up to 4 drafts at batch 1-4, 3 at 5-6, 2 at 7-8. Measured on the default model
-# on 2 CPU cores (docs/speculative.md): batch 8 gained 1.09x with 2 drafts, 1.05x with 1 or 4;
-# batch 12 with 1 draft lost (0.89-0.93x).
-INT8_DRAFT_MAX_BATCH = 8
-VERIFY_MAX_ROWS = 24
 
 
 @dataclass
@@ -145,45 +125,3 @@ def accept_sampled(
             residual = p[i]
         return [*drafts[:i], race(residual, generator)], i
     return [*drafts, race(p[len(drafts)], generator)], len(drafts)
-
-
-class SpecDecoder:
-    """The runner's half of speculation: remembers each pending draft's distribution (sampling)
-    and turns a verification's logits into ``SpecOutput``. Holds tensors, so it lives with the
-    model runner; the ``Sequence`` keeps only the pure-Python ``SpecState``."""
-
-    def __init__(self, sampler: Sampler) -> None:
-        self.sampler = sampler
-        self._q: dict[int, list[torch.Tensor]] = {}  # seq_id -> [V] per pending draft
-
-    def release(self, seq_id: int) -> None:
-        self._q.pop(seq_id, None)
-
-    def draft(
-        self, seq_id: int, params: SamplingParams, logits: torch.Tensor, token: int, layer: int
-    ) -> SpecOutput:
-        """A draft ``token`` sampled from the exit head's logits [V] at ``layer``."""
-        if not params.greedy:
-            q = Sampler.probabilities(logits[None], [params])[0]
-            self._q.setdefault(seq_id, []).append(q)
-        return SpecOutput(True, [token], draft_layer=layer)
-
-    def verify(
-        self, seq_id: int, params: SamplingParams, drafts: list[int], logits: torch.Tensor
-    ) -> SpecOutput:
-        """logits [k+1, V]: full depth at the k drafted positions and the next one."""
-        if params.greedy:
-            tokens, a = accept_greedy(drafts, logits)
-        else:
-            q = self._q.pop(seq_id, [])
-            assert len(q) == len(drafts), "draft distributions out of step with the drafts"
-            p = Sampler.probabilities(logits, [params] * logits.shape[0])
-            gen = self.sampler.generator(seq_id, params.seed, logits.device)
-            q_t = torch.stack(q) if q else p[:0]
-            tokens, a = accept_sampled(drafts, q_t, p, gen)
-        self._q.pop(seq_id, None)
-        n = params.logprobs
-        lps = [
-            token_logprobs(logits[i], t, n) if n is not None else None for i, t in enumerate(tokens)
-        ]
-        return SpecOutput(False, tokens, num_accepted=a, logprobs=lps)

@@ -6,14 +6,15 @@ Contract:
   candidate threshold from the most conservative down, with early exit under the chosen engine
   policy. Each prompt's loss is 1 - ROUGE-L (``--loss rouge``, default) or 1 - token agreement
   (``--loss tokens``) of the early-exit output against the full-depth output, a number in [0, 1].
-- ``eeserve.calibration`` (pure) tests each candidate (Learn-then-Test, fixed sequence, stopping
+- ``tuning.ltt`` (pure) tests each candidate (Learn-then-Test, fixed sequence, stopping
   at the first non-rejection) and returns the most aggressive rejected one: with probability
   >= 1 - epsilon its mean loss on traffic drawn like the calibration prompts is <= delta.
 - The result goes into the sidecar's ``exit_config.json``: a ``calibration`` entry {measure,
   delta, epsilon, threshold, policy, loss, n, ...} (replacing an entry with the same measure,
   delta, epsilon, policy and loss), ``thresholds[measure]`` and ``default_measure`` set to it and
   ``enabled_by_default`` true. Target: ``--out-config DIR``; else the packaged sidecar of the
-  default model (which must exist: the tuned heads), else the model folder. Nothing is written
+  default model (which must exist: the tuned heads), else the model folder
+  (``tuning.calibration_store``). Nothing is written
   when no candidate is rejected. A table (candidate, mean loss, p-value, rejected, mean exit
   layer, decode tokens/s ratio vs full depth) is printed either way.
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -31,16 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from eeserve.config import EXIT_POLICIES
-from eeserve.engine.exits import calibrated_threshold
 from eeserve.engine.llm_engine import LLMEngine
+from eeserve.engine.plan import calibrated_threshold
 from eeserve.engine_args import add_engine_args, engine_config
 from eeserve.exit_params import MEASURES, ExitParams
 from eeserve.llm import chat_token_ids
-from eeserve.models.base_delta import DELTA_NAME
 from eeserve.models.exit_config import ExitConfig
-from eeserve.models.exit_heads import CONFIG_NAME, WEIGHTS_NAME, load_sidecar, save_sidecar
-from eeserve.models.loader import DEFAULT_MODEL, VARIANT_MODEL, packaged_sidecar, resolve_model
 from eeserve.sampling_params import SamplingParams
+from eeserve.tuning.calibration_store import target_folder, with_calibration, write_calibration
 from eeserve.tuning.ltt import (
     PVALUES,
     CandidateRow,
@@ -193,9 +191,6 @@ def format_table(cal: Calibration, num_layers: int, args: argparse.Namespace) ->
     return "\n".join(lines)
 
 
-# -- the exit config --------------------------------------------------------------------------
-
-
 def calibration_entry(args: argparse.Namespace, threshold: float, n: int) -> dict[str, object]:
     return {
         "measure": args.measure,
@@ -210,69 +205,6 @@ def calibration_entry(args: argparse.Namespace, threshold: float, n: int) -> dic
         "prompts": args.prompts or f"prompt_texts(split='calib', seed={args.seed})",
         "chat": args.chat,
     }
-
-
-def with_calibration(cfg: ExitConfig, entry: dict[str, object]) -> ExitConfig:
-    """A copy of ``cfg`` with ``entry`` first in ``calibration`` and its threshold the default."""
-    key = ("measure", "delta", "epsilon", "policy", "loss")
-    kept = [c for c in cfg.calibration if any(c.get(k) != entry[k] for k in key)]
-    measure = str(entry["measure"])
-    thresholds = {**cfg.thresholds, measure: float(entry["threshold"])}  # type: ignore[arg-type]
-    return dataclasses.replace(
-        cfg,
-        calibration=[entry, *kept],
-        thresholds=thresholds,
-        default_measure=measure,
-        enabled_by_default=True,
-    )
-
-
-def sidecar_source(model: str) -> Path | None:
-    """The folder whose sidecar the engine loaded for ``model`` (same search as the engine)."""
-    for folder in [resolve_model(model), packaged_sidecar(model)]:
-        if folder is not None and (folder / CONFIG_NAME).exists():
-            return folder
-    return None
-
-
-def target_folder(model: str, out_config: str | None) -> Path:
-    if out_config:
-        return Path(out_config)
-    if model in (DEFAULT_MODEL, VARIANT_MODEL):  # the variant's weights folder is the original's
-        packaged = packaged_sidecar(model)
-        if packaged is None:
-            raise ValueError(
-                "the default model has no packaged exit sidecar (eeserve/data/smollm2) to write "
-                "the calibration into; pass --out-config DIR"
-            )
-        return packaged
-    return resolve_model(model)
-
-
-_STRUCTURE = ("num_layers", "exit_layers", "head", "adapter", "adapter_rank", "classifier")
-
-
-def write_calibration(
-    model: str, out: Path, calibrated: ExitConfig, entry: dict[str, object]
-) -> Path:
-    """Merge ``entry`` into the sidecar at ``out`` (created from ``calibrated`` if absent)."""
-    found = load_sidecar(out)
-    if found is not None:
-        base = found[0]
-        differs = [f for f in _STRUCTURE if getattr(base, f) != getattr(calibrated, f)]
-        if differs:
-            raise ValueError(
-                f"{out / CONFIG_NAME} describes other exits than calibrated: {differs}"
-            )
-    else:
-        base = calibrated
-        source = sidecar_source(model)
-        for name in (WEIGHTS_NAME, DELTA_NAME):  # the heads, and a trained model's base delta
-            if source is not None and (source / name).exists():
-                out.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source / name, out / name)
-    save_sidecar(out, with_calibration(base, entry), None)
-    return out / CONFIG_NAME
 
 
 # -- prompts and the command ------------------------------------------------------------------

@@ -1,26 +1,16 @@
-"""Early-exit logic: the resolved plan, confidence measures, batch policies.
+"""A request's exit rule, resolved: which exit layers, which measure, which thresholds.
 
-Contract:
-- ``ExitParams`` (``eeserve.exit_params``) is what a request asks for; ``resolve_exit_plan``
-  turns it, with the model's exit config (sidecar) as defaults, into an ``ExitPlan``: per exit
-  layer a threshold, one measure. ``None`` means full depth.
-- ``confidence`` computes a measure for some rows at one exit layer (DESIGN.md: softmax margin,
-  max prob, hidden-state cosine, classifier probe). Only the softmax measures need the exit
-  logits; the runner computes those only where a measure or an exiting row needs them.
-- ``decide`` applies the batch policy: ``per_sequence`` lets confident rows leave on their own;
-  ``batch_all`` (the seed paper) marks confident rows and stops every row at the first exit layer
-  where all are marked.
+Contract: ``ExitParams`` (``eeserve.exit_params``) is what a request asks for;
+``resolve_exit_plan`` turns it, with the model's exit config (sidecar) as defaults, into an
+``ExitPlan``: per exit layer a threshold, one measure, the mode. ``None`` means full depth.
+``calibrated_threshold`` reads a Learn-then-Test calibration (docs/calibration.md) back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-
-from eeserve.exit_params import DEFAULT_NUM_DRAFT_TOKENS, LOGIT_MEASURES, ExitParams
+from eeserve.exit_params import DEFAULT_NUM_DRAFT_TOKENS, ExitParams
 from eeserve.models.exit_config import ExitConfig
 
 
@@ -115,46 +105,3 @@ def calibrated_threshold(
         )
     best = max(fits, key=lambda c: float(c["delta"]))  # type: ignore[arg-type]
     return float(best["threshold"])  # type: ignore[arg-type]
-
-
-# -- measures (tensor functions on the rows being checked) -------------------------------------
-
-
-def confidence(
-    measure: str,
-    logits: torch.Tensor | None,
-    h: torch.Tensor,
-    h_prev: torch.Tensor,
-    probe: torch.Tensor | None,
-) -> torch.Tensor:
-    """Confidence [n] of rows at one exit.
-
-    logits: [n, V] exit-head logits (softmax measures); h: [n, D] hidden after the exit layer
-    (``layer`` heads: h_mid of the layer above); h_prev: [n, D] hidden before it (``layer`` heads:
-    h_l), for ``hidden_cosine``; probe: [n] classifier logit.
-    """
-    if measure in LOGIT_MEASURES:
-        assert logits is not None
-        probs = logits.float().softmax(dim=-1)
-        top = probs.topk(2, dim=-1).values
-        return top[:, 0] - top[:, 1] if measure == "softmax_margin" else top[:, 0]
-    if measure == "hidden_cosine":
-        return F.cosine_similarity(h.float(), h_prev.float(), dim=-1)
-    if measure == "classifier":
-        assert probe is not None
-        return torch.sigmoid(probe.float())
-    raise ValueError(f"unknown measure {measure!r}")
-
-
-def decide(policy: str, confident: Seq[bool], marked: list[bool], all_checked: bool) -> list[bool]:
-    """Which of the checked rows leave now.
-
-    ``marked`` is the sticky ``batch_all`` state of the checked rows (updated in place);
-    ``all_checked``: every running row was checked here (else ``batch_all`` cannot stop).
-    """
-    if policy == "per_sequence":
-        return list(confident)
-    for i, c in enumerate(confident):
-        marked[i] = marked[i] or c
-    leave = all_checked and all(marked)
-    return [leave] * len(marked)
