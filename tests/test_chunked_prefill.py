@@ -21,8 +21,7 @@ from eeserve.engine.block_manager import BlockManager
 from eeserve.engine.scheduler import Scheduler, SchedulerConfig, chunk_size
 from eeserve.engine.sequence import Sequence
 from eeserve.models.cost import CostModel
-from tests.test_engine_tiny import assert_same_completion
-from tests.tiny_model import kv_block_bytes, make_llm, random_prompt
+from tests.tiny_model import assert_same_completion, kv_block_bytes, make_llm, random_prompt
 
 BUDGET = 12  # positions per pass: every prompt below longer than this is chunked
 L = 4  # layers of the tiny model

@@ -21,6 +21,7 @@ import pytest
 
 from eeserve import LLM, RequestOutput, SamplingParams
 from tests.tiny_model import (
+    assert_same_completion,
     build_tiny_model,
     hf_greedy,
     hf_logprobs,
@@ -47,23 +48,6 @@ def greedy(max_tokens: int = N_NEW, logprobs: int | None = 5) -> SamplingParams:
 
 def vocab(llm: LLM) -> int:
     return llm.engine.model_config.vocab_size
-
-
-def assert_same_completion(a: RequestOutput, b: RequestOutput, tol: float = TOL) -> None:
-    """Same tokens, text and finish reason; logprobs (if any) over the same ids within ``tol``."""
-    ca, cb = a.outputs[0], b.outputs[0]
-    assert a.prompt_token_ids == b.prompt_token_ids
-    assert ca.token_ids == cb.token_ids
-    assert ca.text == cb.text
-    assert ca.finish_reason == cb.finish_reason
-    if ca.logprobs is None or cb.logprobs is None:
-        assert ca.logprobs is None and cb.logprobs is None
-        return
-    assert len(ca.logprobs) == len(cb.logprobs) == len(ca.token_ids)
-    for j, (la, lb) in enumerate(zip(ca.logprobs, cb.logprobs)):
-        assert la.keys() == lb.keys(), f"token {j}: different top-n"
-        worst = max(abs(la[t] - lb[t]) for t in la)
-        assert worst < tol, f"token {j}: logprobs differ by {worst}"
 
 
 def run_alone(llm: LLM, prompts: list[Any], params: list[SamplingParams]) -> list[RequestOutput]:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from eeserve import LLM, CompletionOutput, ExitParams, SamplingParams
+from eeserve import LLM, CompletionOutput, ExitParams, RequestOutput, SamplingParams
 from eeserve.models.base_delta import delta_key
 
 _TEXT = [
@@ -312,3 +312,20 @@ def run_together(
             if out.finished:
                 done[out.request_id] = out.outputs[0]
     return [done[i] for i in ids]
+
+
+def assert_same_completion(a: RequestOutput, b: RequestOutput, tol: float = 1e-4) -> None:
+    """Same tokens, text and finish reason; logprobs (if any) over the same ids within ``tol``."""
+    ca, cb = a.outputs[0], b.outputs[0]
+    assert a.prompt_token_ids == b.prompt_token_ids
+    assert ca.token_ids == cb.token_ids
+    assert ca.text == cb.text
+    assert ca.finish_reason == cb.finish_reason
+    if ca.logprobs is None or cb.logprobs is None:
+        assert ca.logprobs is None and cb.logprobs is None
+        return
+    assert len(ca.logprobs) == len(cb.logprobs) == len(ca.token_ids)
+    for j, (la, lb) in enumerate(zip(ca.logprobs, cb.logprobs)):
+        assert la.keys() == lb.keys(), f"token {j}: different top-n"
+        worst = max(abs(la[t] - lb[t]) for t in la)
+        assert worst < tol, f"token {j}: logprobs differ by {worst}"
