@@ -1,4 +1,4 @@
-"""Early exit: the DESIGN.md invariants, on a tiny random Llama whose exits we steer."""
+"""Early exit: the invariants of docs/design.md, on a tiny random Llama whose exits we steer."""
 
 from __future__ import annotations
 
