@@ -1,4 +1,4 @@
-"""Threshold calibration (issue 5): p-values, Learn-then-Test, and ``eeserve calibrate`` end to end.
+"""Threshold calibration: p-values, Learn-then-Test, and ``eeserve calibrate`` end to end.
 
 The statistical tests simulate many calibration runs with a fixed seed on synthetic losses of
 known mean; the end-to-end test calibrates a tiny random model and checks that the engine then

@@ -211,10 +211,12 @@ _OUTSIDE_DESIGN = re.compile(r"DESIGN\.md")
 
 
 def _narrated_files() -> list[Path]:
-    """README, docs/, bench/results/README.md, the package's and the scripts' source, and every
-    text file under bench/results/ (CHANGELOG.md is where history belongs)."""
+    """README, docs/, bench/results/README.md, the source of the package, the scripts and the
+    tests (but this one, which names the patterns), and every text file under bench/results/
+    (CHANGELOG.md is where history belongs)."""
     files = [p for p in PAGES if p.name != "CHANGELOG.md"]
     files += sorted((ROOT / "eeserve").rglob("*.py")) + sorted((ROOT / "bench").rglob("*.py"))
+    files += [p for p in sorted((ROOT / "tests").glob("*.py")) if p.name != Path(__file__).name]
     text_kinds = {".json", ".md", ".txt", ".log", ".csv"}
     files += [p for p in sorted(RESULTS.rglob("*")) if p.suffix in text_kinds and p not in files]
     return files
