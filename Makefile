@@ -45,8 +45,8 @@ browser:
 test: fetch lint browser
 	$(BIN)/python -m pytest -q tests
 
-# Everything but the tests marked slow (Ray and Ray Serve, a live server under schemathesis, the
-# browser, the real model, the full `bench report`, training runs): well under two minutes.
+# Everything but the tests marked slow (Ray and Ray Serve, a live server under load or
+# schemathesis, the browser, the real model, training runs): well under two minutes.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
