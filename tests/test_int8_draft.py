@@ -14,7 +14,7 @@ from eeserve.engine.speculator import INT8_DRAFT_MAX_BATCH
 from eeserve.exit_params import ExitParams
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import save_sidecar
-from tests.test_speculative import sample_in_batches, second_token_chi_square
+from tests.distribution_checks import sample_in_batches, second_token_chi_square
 from tests.tiny_model import (
     assert_cache_matches_hf,
     assert_engine_clean,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -19,11 +18,11 @@ from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import save_sidecar
 from eeserve.models.loader import load_model
 from eeserve.tuning.heads import init_heads
+from tests.distribution_checks import chi_square, sample_in_batches, second_token_chi_square
 from tests.tiny_model import (
     assert_cache_matches_hf,
     assert_engine_clean,
     build_tiny_model,
-    hf_logprobs,
     kv_block_bytes,
     load_hf,
     run_together,
@@ -225,59 +224,6 @@ def test_bad_speculative_params_are_rejected() -> None:
 # -- sampling ----------------------------------------------------------------------------------
 
 
-def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson statistic over cells with expected count >= 5 (the rest pooled)."""
-    n = counts.sum()
-    expected = probs * n
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    return stat, int(keep.sum()) - 1
-
-
-def sample_in_batches(
-    llm: LLM, ids: list[int], params: list[SamplingParams], ep: ExitParams
-) -> list[Any]:
-    """One request per ``params`` (same prompt), four at a time (larger decode batches of the
-    exits drafter do not draft); the completions in order."""
-    engine = llm.engine
-    rids: list[str] = []
-    done = {}
-    for i in range(0, len(params), 4):
-        rids += [engine.add_request(ids, p, exit_params=ep) for p in params[i : i + 4]]
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0]
-    return [done[r] for r in rids]
-
-
-def second_token_chi_square(
-    hf: Any, ids: list[int], outs: list[Any], temperature: float = 1.0, top_k: int = 8
-) -> tuple[float, int]:
-    """Chi-square of the second generated tokens of ``outs`` against full depth's (HF) sampling
-    distribution given each first token (exact conditional per group of >= 30 samples)."""
-    counts: dict[int, torch.Tensor] = {}
-    probs: dict[int, torch.Tensor] = {}
-    for out in outs:
-        first = out.token_ids[0]
-        if first not in probs:
-            top = (hf_logprobs(hf, [*ids, first])[-1] / temperature).topk(top_k)
-            pr = torch.zeros(hf.config.vocab_size)
-            pr[top.indices] = top.values.softmax(-1)
-            probs[first], counts[first] = pr, torch.zeros_like(pr)
-        counts[first][out.token_ids[1]] += 1
-    stat, dof = 0.0, 0
-    for first, c in counts.items():
-        if c.sum() >= 30:
-            s, d = _chi_square(c, probs[first])
-            stat, dof = stat + s, dof + d
-    assert dof > 0, "no first token sampled often enough"
-    return stat, dof
-
-
 def test_speculative_sampling_is_exact_in_distribution() -> None:
     """accept_sampled with a draft distribution q far from p: the first kept token is
     distributed as p (both accepted and resampled paths taken), 20k fixed-seed draws."""
@@ -293,7 +239,7 @@ def test_speculative_sampling_is_exact_in_distribution() -> None:
         counts[tokens[0]] += 1
         paths[a] += 1
     assert min(paths) > 1000, paths
-    stat, dof = _chi_square(counts, p[0])
+    stat, dof = chi_square(counts, p[0])
     # 99.9% quantile of chi-square with ~11 dof is 31.3; fixed seed: deterministic.
     assert stat < 31.3, (stat, dof)
 
