@@ -176,3 +176,18 @@ def test_the_checker_catches_what_it_forbids(tmp_path: Path) -> None:
         "eeserve.models.llama (models, layer 1) imports eeserve.engine.sequence (engine, layer 3)"
     ]
     assert hidden == ["runner.py:2 eeserve.bench"]
+
+
+def test_test_modules_share_helpers_not_each_other() -> None:
+    """A test module imports shared helpers from helper modules (tests/tiny_model.py,
+    tests/batch_files.py, ...), never from another test module, so each one runs on its own."""
+    bad = []
+    for path in sorted((PKG.parent / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            bad += [f"{path.name}:{node.lineno} {n}" for n in names if n.startswith("tests.test_")]
+    assert not bad, "test modules importing other test modules:\n" + "\n".join(bad)
