@@ -1,8 +1,7 @@
 """CPU fast paths for a loaded model: packed projections and the engine's fused kernels.
 
-Contract: ``use_native_ops(model, ops)`` routes each layer's input and post-attention RMSNorm,
-the final norm, every rotary embedding and SwiGLU activation of the model through the engine's
-own kernels (``native``): same arithmetic, one pass
+Contract: ``use_native_ops(model, ops)`` routes every RMSNorm, rotary embedding and SwiGLU
+activation of the model through the engine's own kernels (``native``): same arithmetic, one pass
 each instead of several ATen ops. ``pack_for_cpu(model, ops)`` replaces every projection of a
 loaded model by a ``PackedLinear`` holding the same weights in a kernel's layout (the dense copy is
 dropped, so memory does not grow), and gives each attention a packed K/V-only projection for the
@@ -123,8 +122,11 @@ def use_native_ops(model: LlamaForCausalLM, ops: NativeOps) -> None:
         return x
 
     for layer in model.layers:
-        layer.input_layernorm = NativeRMSNorm(layer.input_layernorm, ops)  # type: ignore[assignment]
-        layer.post_attention_layernorm = NativeRMSNorm(layer.post_attention_layernorm, ops)  # type: ignore[assignment]
+        # Every norm of the layer: Llama's two; Gemma's four and its per-head q/k norms.
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is RMSNorm:
+                    setattr(parent, name, NativeRMSNorm(child, ops))
         layer.self_attn.rotary = rotary
         if layer.mlp.act is silu_and_mul:  # SwiGLU only (Gemma's GeGLU keeps its own)
             layer.mlp.act = ops.silu_mul
