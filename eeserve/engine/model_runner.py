@@ -91,6 +91,7 @@ class ModelRunner:
             opts.dtype,
             opts.device,
             native,
+            windows=config.layer_windows(),  # Gemma 3's local layers; None for Llama's
         )
         cos, sin = rope_tables(config, opts.max_model_len)
         self.cos, self.sin = cos.to(opts.device, opts.dtype), sin.to(opts.device, opts.dtype)
