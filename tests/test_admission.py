@@ -199,6 +199,7 @@ def _sse_events(r: httpx.Response) -> list[str]:
     return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
 
 
+@pytest.mark.slow
 def test_over_the_limits_is_429_with_retry_after(server: Server) -> None:
     base = server.base
     body = {"model": server.model, "prompt": "x", "ignore_eos": True, "temperature": 0}

@@ -240,6 +240,7 @@ def test_training_curve_and_the_frozen_base_baseline(tiny_varied_dir: Path) -> N
     assert points[0.0][-1]["exit_agreement"] != points[0.0][0]["exit_agreement"], "heads trained"
 
 
+@pytest.mark.slow
 def test_tune_with_train_base_writes_a_v2_sidecar_and_report(
     tiny_varied_dir: Path, tmp_path: Path
 ) -> None:

@@ -247,6 +247,7 @@ def test_ray_options_without_ray_name_the_extra(
     assert "pip install 'eeserve[ray]'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_command_line_does_not_import_ray() -> None:
     code = "import sys, eeserve.cli, eeserve.server; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -136,6 +136,7 @@ def test_threshold_outside_measure_range_is_400(
     assert err["param"] == "early_exit.threshold" and "[-1, 1]" in err["message"]
 
 
+@pytest.mark.slow
 def test_no_ui_flag(tiny_model_dir: Path) -> None:
     srv = Server(tiny_model_dir, "--no-ui")
     try:
