@@ -269,6 +269,7 @@ def test_arrival_scenario_streams_run_at_full_depth(monkeypatch: pytest.MonkeyPa
     assert len(sent) == 4 and all(b["early_exit"] == {"enabled": False} for b in sent)
 
 
+@pytest.mark.slow
 def test_bench_serve_smoke(server: Server) -> None:
     from eeserve.bench.serve import bench_serve, exit_modes, format_table
 
@@ -294,6 +295,7 @@ def test_bench_serve_smoke(server: Server) -> None:
     assert "early_exit" in format_table(rows)
 
 
+@pytest.mark.slow
 def test_long_prompt_arrival_scenario_smoke(server: Server) -> None:
     from eeserve.bench.arrivals import arrivals_async, format_arrivals, long_prompt_texts
 
@@ -464,6 +466,7 @@ def test_disconnect_aborts_and_frees_blocks(server: Server, http: httpx.Client) 
     assert generated < 2 * n * max_tokens
 
 
+@pytest.mark.slow
 def test_64_concurrent_streams(server: Server, http: httpx.Client) -> None:
     aclient = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key=API_KEY, max_retries=0)
 
@@ -490,6 +493,7 @@ def test_64_concurrent_streams(server: Server, http: httpx.Client) -> None:
     assert m['eeserve_requests_total{endpoint="/v1/completions",status="error"}'] == 0
 
 
+@pytest.mark.slow
 def test_graceful_shutdown(tiny_model_dir: Path) -> None:
     """SIGTERM: a short in-flight stream finishes, one longer than the grace period gets an
     error event, new connections are refused, and the process exits 0."""
@@ -585,6 +589,7 @@ def test_engine_loop_drain_fails_running_requests(tiny_model_dir: Path) -> None:
 # -- fuzzing from the OpenAPI schema -------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["positive", "negative"])
 def test_fuzz_no_server_errors(server: Server, mode: str) -> None:
     """Requests generated from /openapi.json (valid ones, then invalid ones): never a 5xx."""
