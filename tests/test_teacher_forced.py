@@ -8,6 +8,7 @@ the teacher-forced pass computes for the engine's own output.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -136,3 +137,51 @@ def test_a_plan_it_cannot_score_is_an_error(llm) -> None:  # type: ignore[no-unt
         evaluate(scores, ExitPlan("max_prob", {2: 0.5}, mode="speculative"))
     with pytest.raises(ValueError, match="no text"):
         collect_scores(engine, [ScoredText([1, 2], 2)], ["max_prob"])
+
+
+def _prompt_file(path: Path, n: int) -> Path:
+    words = ["fox", "capital", "def", "return", "exit", "layer", "one", "two", "three", "dog"]
+    gen = torch.Generator().manual_seed(0)
+    lines = [
+        " ".join(words[int(i)] for i in torch.randint(0, len(words), (4 + k % 5,), generator=gen))
+        for k in range(n)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("texts", ["generated", "prompts"])
+def test_calibrate_perplexity_picks_the_loosest_within_the_bound(
+    tuned: Path, tmp_path: Path, texts: str
+) -> None:
+    from eeserve.cli import main as cli_main
+    from eeserve.engine.plan import resolve_exit_plan
+    from eeserve.models.exit_heads import load_sidecar
+
+    out, report = tmp_path / "sidecar", tmp_path / "r.json"
+    argv = ["calibrate", str(tuned), "--prompts", str(_prompt_file(tmp_path / "p.txt", 12))]
+    argv += ["--n", "12", "--max-tokens", "8", "--loss", "perplexity", "--measure", "max_prob"]
+    argv += ["--max-ppl-increase", "0.2", "--candidates", "1.01", "0.9", "0.5", "0.3", "0.1", "0"]
+    argv += ["--ppl-texts", texts, "--out-config", str(out), "--json", str(report)]
+    argv += ["--full-table", "--check-n", "3"]
+    assert cli_main(argv) == 0
+    r = json.loads(report.read_text())
+    rows = r["rows"]
+    assert [x["candidate"] for x in rows] == [1.01, 0.9, 0.5, 0.3, 0.1, 0.0]
+    first = rows[0]["quality"]
+    assert first["ratio"] == 1.0 and first["perplexity"] == r["full_perplexity"]
+    within = [x["quality"]["ratio"] <= 1.2 for x in rows]
+    lead = within.index(False) if False in within else len(within)
+    assert lead < len(rows), "every candidate within the bound: weak test"
+    assert r["threshold"] == rows[lead - 1]["candidate"]
+    assert [x["within"] for x in rows] == [True] * lead + [False] * (len(rows) - lead)
+    assert [x["tested"] for x in rows] == [True] * (lead + 1) + [False] * (len(rows) - lead - 1)
+    assert r["check"]["tokens"] > 0
+    found = load_sidecar(out)
+    assert found is not None
+    cfg = found[0]
+    (entry,) = cfg.calibration
+    assert entry["loss"] == "perplexity" and entry["delta"] == 0.2 and entry["policy"] is None
+    assert entry["threshold"] == r["threshold"] and entry["epsilon"] is None
+    plan = resolve_exit_plan(ExitParams(tolerance=0.2, measure="max_prob"), cfg, "batch_all")
+    assert plan is not None and set(plan.thresholds.values()) == {r["threshold"]}

@@ -17,6 +17,10 @@ Contract:
   (``tuning.calibration_store``). Nothing is written
   when no candidate is rejected. A table (candidate, mean loss, p-value, rejected, mean exit
   layer, decode tokens/s ratio vs full depth) is printed either way.
+- ``--loss perplexity --max-ppl-increase B`` instead picks the loosest candidate whose held-out
+  teacher-forced perplexity stays within (1 + B) x full depth's (``tuning.calibrate_ppl``: a
+  point estimate on the calibration texts, no Learn-then-Test) and stores it the same way, with
+  ``loss: "perplexity"`` and ``delta`` = B.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,9 +38,9 @@ from eeserve.engine.llm_engine import LLMEngine
 from eeserve.engine.plan import calibrated_threshold
 from eeserve.engine_args import add_engine_args, engine_config
 from eeserve.exit_params import MEASURES, ExitParams
-from eeserve.llm import chat_token_ids
 from eeserve.models.exit_config import ExitConfig
-from eeserve.sampling_params import SamplingParams
+from eeserve.tuning.calibrate_ppl import TEXT_SOURCES, main_perplexity
+from eeserve.tuning.calibration_prompts import RunResult, load_prompts, prompt_ids, run_prompts
 from eeserve.tuning.calibration_store import target_folder, with_calibration, write_calibration
 from eeserve.tuning.ltt import (
     PVALUES,
@@ -46,7 +49,6 @@ from eeserve.tuning.ltt import (
     chosen_threshold,
     order_candidates,
 )
-from eeserve.tuning.prompts import prompt_texts
 from eeserve.tuning.quality import rouge_l, token_agreement
 
 DEFAULT_CANDIDATES = {
@@ -60,50 +62,16 @@ CHAT_MODES = ("no", "yes", "mixed")
 
 
 @dataclass
-class RunResult:
-    """Greedy outputs of a prompt set in input order, with decode speed and depth."""
-
-    token_ids: list[list[int]]
-    texts: list[str]
-    decode_tokens_per_s: float  # tokens of decode steps / wall time of decode steps
-    mean_exit_layer: float  # over decode tokens (the prefill token is always full depth)
-
-
-@dataclass
 class TableRow:
     test: CandidateRow
     mean_exit_layer: float
     speed_ratio: float  # decode tokens/s at this candidate / at full depth
 
 
-def run_prompts(
-    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, exit_params: ExitParams
-) -> RunResult:
-    """Generate greedily; steps that prefill are left out of the decode speed."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    order = {
-        engine.add_request(p, params, prompt_token_ids=p, exit_params=exit_params): i
-        for i, p in enumerate(prompts)
-    }
-    done: dict[int, Any] = {}
-    decode_s, decode_tokens = 0.0, 0
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        outs = engine.step()
-        elapsed = time.perf_counter() - start
-        if outs and all(len(o.outputs[0].token_ids) > 1 for o in outs):
-            decode_s += elapsed
-            decode_tokens += len(outs)
-        for o in outs:
-            if o.finished and o.request_id in order:
-                done[order[o.request_id]] = o.outputs[0]
-    outs_in_order = [done[i] for i in range(len(prompts))]
-    layers = [x for c in outs_in_order for x in c.exit_layers[1:]]
-    return RunResult(
-        token_ids=[list(c.token_ids) for c in outs_in_order],
-        texts=[c.text for c in outs_in_order],
-        decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("nan"),
-        mean_exit_layer=statistics.mean(layers) if layers else float("nan"),
+def candidates(args: argparse.Namespace) -> list[float]:
+    """``--candidates``, else the defaults of the measure (the shortlist measures: max_prob's)."""
+    return list(
+        args.candidates or DEFAULT_CANDIDATES.get(args.measure, DEFAULT_CANDIDATES["max_prob"])
     )
 
 
@@ -145,7 +113,7 @@ def calibrate(
     )
     rows: list[TableRow] = []
     stopped = False
-    for cand in order_candidates(args.candidates or DEFAULT_CANDIDATES[args.measure]):
+    for cand in order_candidates(candidates(args)):
         if stopped and not full_table:
             break
         run = run_prompts(
@@ -210,32 +178,6 @@ def calibration_entry(args: argparse.Namespace, threshold: float, n: int) -> dic
 # -- prompts and the command ------------------------------------------------------------------
 
 
-def load_prompts(args: argparse.Namespace, split: str, n: int) -> list[str]:
-    """The user's file (one prompt a line, or JSONL with "prompt"), else the offline set."""
-    if args.prompts and split == "calib":
-        lines = [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
-        texts = [
-            json.loads(ln)["prompt"] if args.prompts.endswith(".jsonl") else ln for ln in lines
-        ]
-        return texts[:n]
-    return prompt_texts(n, seed=args.seed, split=split)
-
-
-def prompt_ids(engine: LLMEngine, texts: list[str], chat: str) -> list[list[int]]:
-    """Token ids: plain text (``no``), in the chat template (``yes``) or alternating (``mixed``,
-    as the exit-head tuning data)."""
-
-    def wrap(i: int) -> bool:
-        return chat == "yes" or (chat == "mixed" and i % 2 == 0)
-
-    return [
-        chat_token_ids(engine.tokenizer, [{"role": "user", "content": t}])
-        if wrap(i)
-        else engine.tokenize(t)
-        for i, t in enumerate(texts)
-    ]
-
-
 def heldout_check(
     engine: LLMEngine, args: argparse.Namespace, cfg: ExitConfig, threshold: float
 ) -> dict[str, float]:
@@ -278,6 +220,8 @@ def main(args: argparse.Namespace) -> int:
     args.measure = args.measure or engine.exit_config.default_measure
     out = target_folder(args.model, args.out_config)  # fail before the long run, not after
     prompts = prompt_ids(engine, load_prompts(args, "calib", args.n), args.chat)
+    if args.loss == "perplexity":
+        return main_perplexity(engine, prompts, args, out, candidates(args))
     cal = calibrate(engine, prompts, args, full_table=args.full_table)
     print(format_table(cal, engine.model_config.num_layers, args))
     report: dict[str, Any] = {
@@ -311,7 +255,24 @@ def add_calibrate_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--epsilon", type=float, default=0.05, help="allowed failure probability")
     p.add_argument("--measure", default=None, choices=MEASURES, help="default: the model's")
     p.add_argument("--policy", dest="exit_policy", choices=EXIT_POLICIES, help="= --exit-policy")
-    p.add_argument("--loss", default="rouge", choices=LOSSES, help="1-ROUGE-L or 1-token agreement")
+    p.add_argument(
+        "--loss",
+        default="rouge",
+        choices=(*LOSSES, "perplexity"),
+        help="1-ROUGE-L or 1-token agreement (Learn-then-Test), or the teacher-forced perplexity",
+    )
+    p.add_argument(
+        "--max-ppl-increase",
+        type=float,
+        default=0.05,
+        help="--loss perplexity: allowed relative increase of the held-out perplexity",
+    )
+    p.add_argument(
+        "--ppl-texts",
+        default="generated",
+        choices=TEXT_SOURCES,
+        help="--loss perplexity: score the prompts' full-depth continuations, or the prompts",
+    )
     p.add_argument(
         "--pvalue", default="hb", choices=sorted(PVALUES), help="Hoeffding-Bentkus or Hoeffding"
     )
