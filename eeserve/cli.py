@@ -22,6 +22,7 @@ from eeserve.sampling_params import SamplingParams
 from eeserve.server import add_batch_parser, add_serve_parser
 from eeserve.tuning.calibrate import add_calibrate_parser
 from eeserve.tuning.cli import add_tune_parser
+from eeserve.tuning.shortlist import add_shortlist_parser
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -66,6 +67,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_tune_parser(sub)
     add_calibrate_parser(sub)
+    add_shortlist_parser(sub)
     add_serve_parser(sub)
     add_batch_parser(sub)
     return parser

@@ -21,7 +21,7 @@ import torch
 
 from eeserve.exit_params import DRAFT_SOURCES
 
-EXIT_POLICIES = ("per_sequence", "batch_all", "none")
+EXIT_POLICIES = ("auto", "per_sequence", "batch_all", "none")
 KV_FILL_STRATEGIES = ("fill", "recompute")
 QUANTIZATIONS = ("int8",)
 SPECULATIVE_DRAFTS = ("auto", *DRAFT_SOURCES)
@@ -83,7 +83,10 @@ class EngineConfig:
         "position",
     )
     exit_policy: str = _option(
-        "per_sequence", "how rows of one batch leave early (docs/early-exit.md)", EXIT_POLICIES
+        "auto",
+        "how rows of one batch leave early: auto decides layer by layer from a measured layer "
+        "cost (docs/early-exit.md)",
+        EXIT_POLICIES,
     )
     kv_fill: str = _option(
         "fill",

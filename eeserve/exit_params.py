@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MEASURES = ("softmax_margin", "max_prob", "hidden_cosine", "classifier")
+# Measures every exit sidecar supports (``classifier`` needs its probes).
+BASE_MEASURES = ("softmax_margin", "max_prob", "hidden_cosine", "classifier")
+# The two softmax measures over the whole vocabulary (2·V·D per check)...
 LOGIT_MEASURES = ("softmax_margin", "max_prob")
+# ...and over the sidecar's frequency-ranked vocabulary shortlist (2·K·D, K << V): cheap, but the
+# softmax over K rows overstates a token's probability, so their thresholds are their own.
+SHORTLIST_MEASURES = ("shortlist_margin", "shortlist_max_prob")
+MEASURES = (*BASE_MEASURES, *SHORTLIST_MEASURES)
 MODES = ("exit", "speculative")
 # What drafts in ``speculative`` mode (``EngineConfig.speculative_draft``, also "auto";
 # ``ExitConfig.default_draft``): the exit heads, or an int8 copy of the model's own weights.

@@ -120,7 +120,8 @@ def test_bad_lines_become_error_lines(tiny_model_dir: Path, tmp_path: Path) -> N
 
 
 def test_early_exit_in_a_batch_body(tiny_model_dir: Path, tmp_path: Path) -> None:
-    llm = make_llm(tiny_model_dir, kv_cache_memory=8_000_000)
+    # Rows leave at their own exits (auto would keep the exiting row running beside the other).
+    llm = make_llm(tiny_model_dir, kv_cache_memory=8_000_000, exit_policy="per_sequence")
     model = str(tiny_model_dir)
     base = {"model": model, "prompt": "One", "max_tokens": 6, "ignore_eos": True, "temperature": 0}
     modes = {"off": {"enabled": False}, "first": {"threshold": 0.0, "measure": "softmax_margin"}}

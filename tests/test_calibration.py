@@ -255,7 +255,7 @@ def test_engine_exits_with_the_calibrated_threshold(calibrated: Path) -> None:
     chosen = json.loads((calibrated / "exit_config.json").read_text())["thresholds"][
         "softmax_margin"
     ]
-    llm = make_llm(calibrated)
+    llm = make_llm(calibrated, exit_policy="per_sequence")  # the policy it was calibrated under
     sp = SamplingParams(max_tokens=6, temperature=0.0)
     texts = (calibrated.parent / "prompts.txt").read_text().splitlines()
     default = llm.generate(texts, sp, use_tqdm=False)

@@ -232,8 +232,9 @@ def test_preemption_with_chunks_keeps_outputs(tiny_varied_dir: Path) -> None:
 @pytest.mark.parametrize("kv_fill", ["fill", "recompute"])
 def test_per_sequence_exits_unchanged_by_chunking(tiny_varied_dir: Path, kv_fill: str) -> None:
     ex = ExitParams(threshold=0.05, exit_layers=[1, 2, 3])
-    on = engine(tiny_varied_dir, True, kv_fill=kv_fill, enable_prefix_caching=False)
-    off = engine(tiny_varied_dir, False, kv_fill=kv_fill, enable_prefix_caching=False)
+    opts = {"kv_fill": kv_fill, "enable_prefix_caching": False, "exit_policy": "per_sequence"}
+    on = engine(tiny_varied_dir, True, **opts)
+    off = engine(tiny_varied_dir, False, **opts)
     ps = prompts(on)
     sps = [greedy() for _ in ps]
     b = off.generate(ps, sps, use_tqdm=False, exit_params=ex)

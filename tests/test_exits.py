@@ -135,7 +135,7 @@ def test_batch_all_stops_where_every_row_is_confident(tiny_varied_dir: Path) -> 
 def test_fill_writes_the_reference_kv_of_skipped_layers(tiny_varied_dir: Path) -> None:
     """After one decode step where rows exit at layers 1, 2 and L, the cache rows of each exited
     token for every deeper layer equal norm -> K/V projection -> rotary of its exit hidden state."""
-    llm = LLM(str(tiny_varied_dir), enable_prefix_caching=False)
+    llm = LLM(str(tiny_varied_dir), enable_prefix_caching=False, exit_policy="per_sequence")
     engine = llm.engine
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     exits = [
@@ -284,12 +284,11 @@ def test_recompute_pays_debt_before_it_is_read(tiny_varied_dir: Path) -> None:
 
 def test_recompute_with_batch_and_preemption(tiny_varied_dir: Path) -> None:
     exit_params = ExitParams(threshold=0.05, exit_layers=[1, 2, 3])
-    roomy = LLM(str(tiny_varied_dir), kv_fill="recompute", enable_prefix_caching=False)
+    per_row = {"kv_fill": "recompute", "exit_policy": "per_sequence"}
+    roomy = LLM(str(tiny_varied_dir), enable_prefix_caching=False, **per_row)
     ref = _gen(roomy, PROMPTS, exit_params)
     per_token = 2 * L * 2 * 16 * 4
-    tight = LLM(
-        str(tiny_varied_dir), kv_fill="recompute", block_size=4, kv_cache_memory=per_token * 4 * 9
-    )
+    tight = LLM(str(tiny_varied_dir), block_size=4, kv_cache_memory=per_token * 4 * 9, **per_row)
     got = _gen(tight, PROMPTS, exit_params)
     assert tight.engine.scheduler.num_preemptions > 0
     # Preemption recomputes at full depth, which is what paying the debt gives: same tokens.

@@ -103,6 +103,7 @@ def _ref_logits(
 
 
 def _generate(folder: Path, prompts: list[str], params: ExitParams | list[ExitParams], **kw: Any):
+    kw.setdefault("exit_policy", "per_sequence")  # rows of one batch exit at their own layers
     llm = make_llm(folder, enable_prefix_caching=False, **kw)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     if isinstance(params, ExitParams):
@@ -207,7 +208,7 @@ def test_fill_after_a_layer_head_exit_writes_the_reference_kv(layered: Path) -> 
     """Rows exit at layers 1, 2 and L in one decode step; for every layer above its exit the
     cache holds norm -> K/V projection -> rotary of h_l (layer l + 1's written by its own
     attention, the rest by ``fill``)."""
-    llm = make_llm(layered, enable_prefix_caching=False)
+    llm = make_llm(layered, enable_prefix_caching=False, exit_policy="per_sequence")
     engine = llm.engine
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     exits = [

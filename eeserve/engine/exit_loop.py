@@ -19,11 +19,12 @@ import torch
 
 from eeserve.engine.attention import AttnMeta, PagedKVCache
 from eeserve.engine.exit_state import ExitBatch, ExitResult, PassState, take_rows
+from eeserve.engine.layer_cost import LayerCost
 from eeserve.engine.layer_stack import LayerStack
 from eeserve.engine.measures import confidence
 from eeserve.engine.plan import ExitPlan
 from eeserve.engine.policy import decide
-from eeserve.exit_params import LOGIT_MEASURES
+from eeserve.exit_params import LOGIT_MEASURES, SHORTLIST_MEASURES
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, Rotary
 
@@ -37,8 +38,10 @@ class ExitLoop:
         heads: ExitHeads | None,
         shared_head: bool,
         stack: LayerStack,
+        cost: LayerCost | None = None,
     ) -> None:
         self.model = model
+        self.cost = cost  # the ``auto`` policy's layer cost model
         self.kv = kv
         self.stack = stack
         self.lm_head = lm_head
@@ -47,6 +50,8 @@ class ExitLoop:
         self.layer_heads = not shared_head and heads is not None and heads.layer_heads
         # Optional cheaper LM head for speculative drafts: the first V' rows of the vocabulary.
         self.draft_head: torch.nn.Module | None = None
+        # The LM head's rows of the vocabulary shortlist (``shortlist_*`` measures): [n, K].
+        self.shortlist_head: torch.nn.Module | None = None
 
     def head_normed(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """LM-head input [n, D] of exit ``layer`` (1-based) from the head's input [n, D]: the
@@ -58,6 +63,18 @@ class ExitLoop:
     def head_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """Exit logits [n, V] (float32) of exit ``layer``; see ``head_normed``."""
         return self.lm_head(self.head_normed(layer, h)).float()  # type: ignore[no-any-return]
+
+    def measure_logits(self, measure: str, layer: int, h: torch.Tensor) -> torch.Tensor | None:
+        """The logits [n, V] (shortlist measures: [n, K]) that ``measure`` reads at exit
+        ``layer`` from the head's input h [n, D]; None for measures that read none."""
+        if measure in LOGIT_MEASURES:
+            return self.head_logits(layer, h)
+        if measure in SHORTLIST_MEASURES:
+            if self.shortlist_head is None:
+                raise ValueError(f"measure {measure!r} needs the exit sidecar's shortlist")
+            normed = self.head_normed(layer, h)
+            return self.shortlist_head(normed).float()  # type: ignore[no-any-return]
+        return None
 
     @torch.inference_mode()
     def run(self, h0: torch.Tensor, rot0: Rotary, meta0: AttnMeta, b: ExitBatch) -> ExitResult:
@@ -83,6 +100,7 @@ class ExitLoop:
                 h_prev = st.running.h
                 st.running.h = self.stack.run(st.running.h, rot, meta, j - 1, j)
                 st.layers_run += len(st.running.rows)
+            st.layer_passes += 1
             if j in checks and j < num_layers and st.running.rows:
                 moved |= self._stop(j, h_prev, st, b)
             if moved and st.running.rows:
@@ -95,6 +113,7 @@ class ExitLoop:
             st.layers_run,
             st.debts,
             st.verify_logits,
+            st.layer_passes,
         )
 
     def _pay_fill(
@@ -160,7 +179,11 @@ class ExitLoop:
         marked = [st.exits[s].marked for s in seqs]
         ok = [c >= p.thresholds[j] for c, p in zip(conf, plans)]
         sampled = sum(1 for r in rows if r in b.sampled and b.sampled[r] not in b.prefill)
-        go = decide(b.policy, ok, marked, all_checked=len(checked) == sampled)
+        # ``recompute`` pays a leaving row's layers in a later pass: leaving early saves nothing.
+        cost, running = self.cost, len(rows)
+        shrink = (lambda m: cost.shrink_pays(running, m)) if cost is not None and b.fill else None
+        eager = [s in b.speculative for s in seqs]
+        go = decide(b.policy, ok, marked, len(checked) == sampled, shrink, eager)
         for s, m in zip(seqs, marked):
             st.exits[s].marked = m
         leaving = [k for k, g in enumerate(go) if g]
@@ -186,13 +209,13 @@ class ExitLoop:
         for measure in {p.measure for p in plans}:
             rows = [k for k, p in enumerate(plans) if p.measure == measure]
             hm = take_rows(h, rows)
-            lg = self.head_logits(j, hm) if measure in LOGIT_MEASURES else None
+            lg = self.measure_logits(measure, j, hm)
             probe = self.heads.probe(j, hm) if measure == "classifier" and self.heads else None
             hp = take_rows(h_prev, rows) if measure == "hidden_cosine" else h_prev
             for k, v in zip(rows, confidence(measure, lg, hm, hp, probe).tolist()):
                 conf[k] = float(v)
-            if lg is not None and len(rows) == len(plans):
-                logits = lg
+            if measure in LOGIT_MEASURES and len(rows) == len(plans):
+                logits = lg  # the whole vocabulary's: the leaving rows' tokens come from it
         return conf, logits
 
     def _finish(self, st: PassState, b: ExitBatch) -> torch.Tensor:

@@ -111,6 +111,7 @@ class ExitResult:
     # Speculative sequences whose row reached full depth: logits [k, V] of their passengers, in
     # position order (the drafted positions being verified).
     verify_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    layer_passes: int = 0  # decoder layers the pass ran (with at least one row)
 
 
 @dataclass
@@ -175,6 +176,7 @@ class PassState:
     debts: list[Owed]  # per sequence
     fill: Fill = field(default_factory=Fill)
     layers_run: int = 0
+    layer_passes: int = 0
     verify_logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod

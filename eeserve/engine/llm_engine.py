@@ -10,6 +10,7 @@ the server drives this from its own loop.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -59,6 +60,15 @@ def _speculative_draft(
     cpu = device.type == "cpu" and dtype == torch.float32 and config.cpu_kernels
     usable = cpu and config.quantization is None and config.exit_policy != "none"
     return exit_config.default_draft if usable and load_native() is not None else "exits"
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters of the forward passes run: what the hardware paid."""
+
+    passes: int = 0
+    layer_passes: int = 0  # decoder layers run, counted once per pass that ran them with a row
+    row_layers: int = 0  # decoder layers run, summed over rows
 
 
 def _num_blocks(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -125,6 +135,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._counter = 0
+        self.stats = EngineStats()
 
     def _scheduler_config(self) -> SchedulerConfig:
         config = self.config
@@ -220,6 +231,9 @@ class LLMEngine:
         if not sched.seqs:
             return []
         out = self.runner.execute(sched.seqs, sched.num_tokens)
+        self.stats.passes += 1
+        self.stats.layer_passes += out.layer_passes
+        self.stats.row_layers += out.layers_run
         outputs = []
         for seq, n, result in zip(sched.seqs, sched.num_tokens, out.seqs):
             if result.token_id is None and result.spec is None:  # a prompt chunk: K/V only

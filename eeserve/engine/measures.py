@@ -1,9 +1,9 @@
 """Confidence measures: how sure an exit is of its token, for the rows checked at one exit.
 
 Contract: ``confidence`` computes a measure (docs/design.md: softmax margin, max prob,
-hidden-state cosine, classifier probe) for some rows at one exit layer. Only the softmax
-measures need the exit logits; the exit loop computes those only where a measure or an exiting
-row needs them.
+hidden-state cosine, classifier probe; the two softmax measures also over a vocabulary
+shortlist) for some rows at one exit layer. Only the softmax measures need exit logits; the exit
+loop computes those only where a measure or an exiting row needs them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eeserve.exit_params import LOGIT_MEASURES
+from eeserve.exit_params import LOGIT_MEASURES, SHORTLIST_MEASURES
 
 
 def confidence(
@@ -23,15 +23,16 @@ def confidence(
 ) -> torch.Tensor:
     """Confidence [n] of rows at one exit.
 
-    logits: [n, V] exit-head logits (softmax measures); h: [n, D] hidden after the exit layer
+    logits: [n, V] exit-head logits (softmax measures; [n, K] over the shortlist for the
+    shortlist measures); h: [n, D] hidden after the exit layer
     (``layer`` heads: h_mid of the layer above); h_prev: [n, D] hidden before it (``layer`` heads:
     h_l), for ``hidden_cosine``; probe: [n] classifier logit.
     """
-    if measure in LOGIT_MEASURES:
+    if measure in LOGIT_MEASURES or measure in SHORTLIST_MEASURES:
         assert logits is not None
         probs = logits.float().softmax(dim=-1)
         top = probs.topk(2, dim=-1).values
-        return top[:, 0] - top[:, 1] if measure == "softmax_margin" else top[:, 0]
+        return top[:, 0] - top[:, 1] if measure.endswith("margin") else top[:, 0]
     if measure == "hidden_cosine":
         return F.cosine_similarity(h.float(), h_prev.float(), dim=-1)
     if measure == "classifier":

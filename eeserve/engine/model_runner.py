@@ -22,6 +22,7 @@ from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.engine.draft_model import Int8Drafter
 from eeserve.engine.exit_loop import ExitLoop
 from eeserve.engine.exit_state import ExitBatch, ExitResult, exit_batch
+from eeserve.engine.layer_cost import LayerCost, layer_cost, measure_layer_cost
 from eeserve.engine.layer_stack import LayerStack
 from eeserve.engine.runner_output import RunnerOutput, SeqStep
 from eeserve.engine.sampler import Sampler, token_logprobs
@@ -38,6 +39,7 @@ from eeserve.kernels.packing import (
 )
 from eeserve.kernels.quant import Int8Linear, quantize_linears, quantize_model
 from eeserve.models.config import ModelConfig, rope_tables
+from eeserve.models.cost import CostModel
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaForCausalLM, Rotary
@@ -52,7 +54,7 @@ class RunnerOptions:
     max_model_len: int
     device: torch.device
     dtype: torch.dtype
-    exit_policy: str = "per_sequence"
+    exit_policy: str = "auto"
     kv_fill: str = "fill"
     cpu_kernels: bool = True
     quantization: str | None = None
@@ -109,8 +111,14 @@ class ModelRunner:
         fused = FusedDecoder.build(model, native) if opts.dtype == torch.float32 else None
         self.stack = LayerStack(model, self.kv, fused)
         self.exit_loop = ExitLoop(model, self.kv, self.lm_head, exit_heads, shared, self.stack)
+        if opts.exit_policy == "auto":
+            self.exit_loop.cost = layer_cost(self._cost_key(), self._measure_layer_cost)
         if exit_config is not None and 0 < exit_config.draft_vocab < config.vocab_size:
             self.set_draft_vocab(exit_config.draft_vocab)
+        if exit_config is not None and exit_config.shortlist:
+            rows = _shortlist_rows(exit_config, config, exit_heads)
+            ids = torch.tensor(exit_config.shortlist[:rows], dtype=torch.long)
+            self.exit_loop.shortlist_head = self._head_rows(ids.to(opts.device))
 
     def _place_weights(self, exit_heads: ExitHeads | None) -> torch.nn.Module:
         """Routes the model (and exit heads) onto the engine's kernels, int8 or packed float
@@ -134,6 +142,15 @@ class ModelRunner:
             return PackedLinear(model.lm_head.weight, None, native)
         return model.lm_head
 
+    def _head_rows(self, ids: torch.Tensor) -> torch.nn.Module:
+        """The LM head restricted to the vocabulary rows ``ids``, in the weights' format."""
+        weight = self.model.lm_head.weight[ids].detach().contiguous()
+        if self.opts.quantization == "int8":
+            return Int8Linear(weight, None, self.native if self.device.type == "cpu" else None)
+        if can_pack(self.device, self.dtype, self.config.hidden_size, self.native):
+            return PackedLinear(weight, None, self.native)
+        return _Dense(weight)
+
     def set_draft_vocab(self, n: int) -> None:
         """Speculative drafts over the first ``n`` token ids (0: the whole vocabulary)."""
         weight = self.model.lm_head.weight[:n].detach()
@@ -141,6 +158,30 @@ class ModelRunner:
         dense = partial(F.linear, weight=weight)
         head = PackedLinear(weight, None, self.native) if packable else dense
         self.exit_loop.draft_head = head if 0 < n < self.config.vocab_size else None  # type: ignore[assignment]
+
+    def _cost_key(self) -> str:
+        """What a layer's cost depends on: the model's shape, the weights' format, the device
+        and the threads."""
+        c, o = self.config, self.opts
+        kernels = "native" if self.native is not None else "torch"
+        return (
+            f"{type(self.model).__name__}-d{c.hidden_size}-i{c.intermediate_size}-h{c.num_heads}"
+            f"-kv{c.num_kv_heads}-hd{c.head_dim}-{str(o.dtype).removeprefix('torch.')}"
+            f"-{o.quantization or 'float'}-{kernels}-{o.device.type}-t{torch.get_num_threads()}"
+        )
+
+    def _measure_layer_cost(self) -> LayerCost:
+        d = self.config.hidden_size
+
+        def hidden(n: int) -> torch.Tensor:
+            return torch.randn(n, d, generator=torch.Generator().manual_seed(n)).to(
+                self.device, self.dtype
+            )
+
+        def rotary(n: int) -> Rotary:
+            return Rotary(self.cos[:n], self.sin[:n])
+
+        return measure_layer_cost(self.model.layers[0], hidden, rotary)
 
     def release(self, seq_id: int) -> None:
         """Forget per-request tensors (sampling generator, draft distributions, owed hidden)."""
@@ -240,7 +281,8 @@ class ModelRunner:
         for i, seq in enumerate(seqs):
             self._owed_hidden.setdefault(seq.seq_id, {})[seq.num_computed_tokens] = h0[i]
         steps = self.speculator.int8_drafts(seqs, logits)
-        return RunnerOutput(steps, len(seqs) * self.config.num_layers)
+        full = self.config.num_layers
+        return RunnerOutput(steps, len(seqs) * full, full)
 
     def _float_pass(
         self, seqs: list[Sequence], counts: list[int], sampling: list[bool]
@@ -250,6 +292,7 @@ class ModelRunner:
         full = self.config.num_layers
         eb = self._exit_batch(seqs, batch, sampling)
         res: ExitResult | None = None
+        layer_passes = full
         if eb is None:
             normed, layers_run = self.forward(batch)
             logits = self.logits(normed, sampling)
@@ -257,7 +300,7 @@ class ModelRunner:
         else:
             h0, rot = self._inputs(batch)
             res = self.exit_loop.run(h0, rot, batch.meta, eb)
-            logits, layers_run = res.logits, res.layers_run
+            logits, layers_run, layer_passes = res.logits, res.layers_run, res.layer_passes
             steps = [SeqStep(None, e, c) for e, c in zip(res.exit_layers, res.confidences)]
             self._keep_debts(seqs, eb, res, steps)
         self._sample(seqs, sampling, logits, steps)
@@ -265,7 +308,7 @@ class ModelRunner:
             if seq.spec is not None and sampling[i]:
                 owed = res.verify_logits.get(i) if res is not None else None
                 step.spec = self.speculator.result(seq, step, logits[i], owed)
-        return RunnerOutput(steps, layers_run)
+        return RunnerOutput(steps, layers_run, layer_passes)
 
     def _exit_batch(
         self, seqs: list[Sequence], batch: Batch, sampling: list[bool]
@@ -323,3 +366,27 @@ class ModelRunner:
             n = seq.sampling_params.logprobs
             if n is not None and not (seq.spec is not None and step.exit_layer < full):
                 step.logprobs = token_logprobs(logits[i], token, n)
+
+
+class _Dense(torch.nn.Module):
+    """A bias-free linear over a fixed weight [K, D] (no packing on this device or dtype)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def _shortlist_rows(cfg: ExitConfig, model: ModelConfig, heads: ExitHeads | None) -> int:
+    """Shortlist rows a check reads: the sidecar's ``shortlist_size``, else what the check
+    budget allows beside the exit head's adapter (``CostModel.shortlist_rows``)."""
+    if cfg.shortlist_size > 0:
+        return min(cfg.shortlist_size, len(cfg.shortlist))
+    adapter = 0
+    if heads is not None and cfg.head == "tuned":
+        head = heads.head(cfg.exit_layers[0])
+        adapter = sum(p.numel() for n, p in head.named_parameters() if "classifier" not in n)
+    rows = CostModel.of(model, adapter).shortlist_rows(model.hidden_size)
+    return min(rows, len(cfg.shortlist))

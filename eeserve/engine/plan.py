@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eeserve.exit_params import DEFAULT_NUM_DRAFT_TOKENS, ExitParams
+from eeserve.exit_params import DEFAULT_NUM_DRAFT_TOKENS, SHORTLIST_MEASURES, ExitParams
 from eeserve.models.exit_config import ExitConfig
 
 
@@ -51,6 +51,11 @@ def resolve_exit_plan(
     measure = params.measure or cfg.default_measure
     if measure == "classifier" and not cfg.classifier:
         raise ValueError("measure 'classifier' needs trained classifier probes in the exit sidecar")
+    if measure in SHORTLIST_MEASURES and not cfg.shortlist:
+        raise ValueError(
+            f"measure {measure!r} needs a vocabulary shortlist in the exit sidecar "
+            "(eeserve shortlist MODEL --out DIR)"
+        )
     layers = sorted(set(params.exit_layers or cfg.exit_layers))
     bad = [x for x in layers if x >= cfg.num_layers]
     if bad:

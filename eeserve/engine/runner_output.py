@@ -33,3 +33,4 @@ class SeqStep:
 class RunnerOutput:
     seqs: list[SeqStep]
     layers_run: int = 0  # decoder layers computed, summed over rows (telemetry, tests)
+    layer_passes: int = 0  # decoder layers the pass ran with any row: what the hardware paid

@@ -2,7 +2,8 @@
 
 Contract: ``CostModel.of(config)`` counts weights (one multiply-add per weight and row, one read
 per step) of a decoder layer, the LM head, a K/V fill and an adapter; ``ideal_ratio`` is the best
-speed-up an exit at a layer can give. Used by head tuning's report and the benchmarks.
+speed-up an exit at a layer can give; ``shortlist_rows`` how much vocabulary a cheap check reads.
+Used by head tuning's report, the engine and the benchmarks.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eeserve.models.config import ModelConfig
+
+# What an exit check may cost, as a fraction of one decoder layer: a check that costs a whole
+# layer (a full-vocabulary softmax on SmolLM2 costs eight) saves nothing by exiting.
+CHECK_BUDGET = 0.15
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,12 @@ class CostModel:
             adapter=float(adapter_params),
             attn=float(attn),
         )
+
+    def shortlist_rows(self, hidden_size: int, budget: float = CHECK_BUDGET) -> int:
+        """Rows of the vocabulary a logit check can project within ``budget`` of a decoder layer
+        (the exit head's adapter included): a multiple of 16, at least 16."""
+        rows = (budget * self.layer - self.adapter) / hidden_size
+        return max(16, int(rows) // 16 * 16)
 
     def attention_context(self, cfg: ModelConfig, efficiency: float) -> float:
         """The context length at which one position's attention (a score and a value

@@ -1,9 +1,9 @@
 """The model's exit-head description: the JSON half of the exit sidecar (``exit_config.json``).
 
 Contract: ``ExitConfig`` is plain data (exit layers, head kind, adapter, probes, thresholds per
-measure, calibration records, whether exits are on by default and, for a model trained to exit,
-its base delta); ``default_shared_exit_layers`` gives the exit layers used when a model has no
-sidecar.
+measure, calibration records, whether exits are on by default, for a model trained to exit its
+base delta, and the vocabulary shortlist of the cheap checks); ``default_shared_exit_layers``
+gives the exit layers used when a model has no sidecar.
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ class ExitConfig:
     # vocabulary is roughly frequency-ordered); 0: the whole vocabulary. Verification keeps the
     # output exact whatever the draft head is; a smaller one makes drafting cheaper.
     draft_vocab: int = 0
+    # Token ids ranked by how often the model produces them (counted from its own text):
+    # ``shortlist_*`` measures check the first ``shortlist_size`` of them (0: as many as fit in
+    # the engine's check budget, ``CostModel.shortlist_rows``).
+    shortlist: list[int] = field(default_factory=list)
+    shortlist_size: int = 0
 
     def __post_init__(self) -> None:
         if self.default_mode not in MODES:

@@ -165,12 +165,20 @@ def save_sidecar(
         cfg.base_delta = {**cfg.base_delta, "rank": delta.rank, "scale": delta.scale}
         cfg.base_delta["file"] = DELTA_NAME
         save_base_delta(folder / DELTA_NAME, delta)
-    (folder / CONFIG_NAME).write_text(json.dumps({"format": FORMAT, **asdict(cfg)}, indent=2))
+    (folder / CONFIG_NAME).write_text(config_json(cfg))
     if heads is not None:
         from safetensors.torch import save_file
 
         state = {k: v.detach().float().contiguous() for k, v in heads.state_dict().items()}
         save_file(state, str(folder / WEIGHTS_NAME))
+
+
+def config_json(cfg: ExitConfig) -> str:
+    """``exit_config.json``'s text: indented, with the (long) shortlist on one line."""
+    d = {"format": FORMAT, **asdict(cfg)}
+    shortlist = d.pop("shortlist")
+    text = json.dumps({**d, "shortlist": "@"}, indent=2)
+    return text.replace('"shortlist": "@"', f'"shortlist": {json.dumps(shortlist)}')
 
 
 def build_exit_heads(

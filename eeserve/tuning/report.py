@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from eeserve.exit_params import LOGIT_MEASURES, MEASURES
+from eeserve.exit_params import BASE_MEASURES, LOGIT_MEASURES
 from eeserve.models.cost import CostModel
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaForCausalLM
@@ -217,14 +217,14 @@ def evaluate(
                 }
                 for t in SWEEP[m]
             ]
-            for m in MEASURES
+            for m in BASE_MEASURES
         }
         rows.append(row)
         agrees.append(agree)
         confs.append(conf)
     agree_m = torch.stack(agrees, 1)
     sweeps, chosen, per_layer = {}, {}, {}
-    for m in MEASURES:
+    for m in BASE_MEASURES:
         conf_m = torch.stack([c[m] for c in confs], 1)
         cost = _cost_fn(model, heads, layers, m in LOGIT_MEASURES)
         run = partial(cascade, conf_m, agree_m, layers, cost=cost, L=L)
@@ -236,7 +236,7 @@ def evaluate(
         sweeps[m] = [run(t) for t in SWEEP[m]]
         chosen[m] = run(_single(conf_m, agree_m, meets))
         per_layer[m] = run(_per_layer(conf_m, agree_m, meets))
-    useful = [m for m in MEASURES if chosen[m]["exit_fraction"] > 0]
+    useful = [m for m in BASE_MEASURES if chosen[m]["exit_fraction"] > 0]
     best = max(useful, key=lambda m: chosen[m]["ideal_speedup"], default="softmax_margin")
     good = chosen[best]["ideal_speedup"] >= MIN_SPEEDUP
     return {
