@@ -4,6 +4,7 @@ slot is held by a long stream so that what waits behind it is known."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import signal
@@ -154,8 +155,8 @@ def test_server_request_timeout_flag(tiny_model_dir: Path) -> None:
 
 # -- a live server -------------------------------------------------------------------------------
 
-# One running slot; behind it at most 2 waiting requests holding 600 tokens.
-LIMIT_ARGS = ("--max-num-seqs", "1", "--max-waiting-requests", "2", "--max-queued-tokens", "600")
+# One running slot; behind it at most 2 waiting requests holding 300 tokens.
+LIMIT_ARGS = ("--max-num-seqs", "1", "--max-waiting-requests", "2", "--max-queued-tokens", "300")
 
 
 @pytest.fixture(scope="module")
@@ -209,12 +210,12 @@ def test_over_the_limits_is_429_with_retry_after(server: Server) -> None:
         async with httpx.AsyncClient(base_url=base, timeout=120) as c:
             async with _running_stream(c, {**body, "max_tokens": LONG}):
                 await _until(base, waiting, 0)
-                # Waits behind the stream (cost 1 + 400 tokens of the 600).
+                # Waits behind the stream (cost 1 + 150 tokens of the 300).
                 behind = asyncio.create_task(
-                    c.post("/v1/completions", json={**body, "max_tokens": 400})
+                    c.post("/v1/completions", json={**body, "max_tokens": 150})
                 )
                 await _until(base, waiting, 1)
-                too_big = await c.post("/v1/completions", json={**body, "max_tokens": 300})
+                too_big = await c.post("/v1/completions", json={**body, "max_tokens": 200})
                 fits = asyncio.create_task(
                     c.post("/v1/completions", json={**body, "max_tokens": 100})
                 )
@@ -233,14 +234,14 @@ def test_over_the_limits_is_429_with_retry_after(server: Server) -> None:
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
         assert err["code"] == "rate_limit_exceeded" and err["type"] == kind
-    assert "600" in too_big.json()["error"]["message"]
+    assert "300" in too_big.json()["error"]["message"]
     assert behind.status_code == fits.status_code == 200
-    assert behind.json()["usage"]["completion_tokens"] == 400
+    assert behind.json()["usage"]["completion_tokens"] == 150
     m = _metrics(base)
     assert m['eeserve_admission_rejected_total{limit="queued_tokens"}'] == 1
     assert m['eeserve_admission_rejected_total{limit="waiting_requests"}'] == 2
     assert m['eeserve_requests_total{endpoint="/v1/completions",status="overloaded"}'] == 2
-    assert m['eeserve_admission_limit{limit="queued_tokens"}'] == 600
+    assert m['eeserve_admission_limit{limit="queued_tokens"}'] == 300
     assert m[waiting] == m["eeserve_admission_queued_tokens"] == 0
 
 
@@ -249,15 +250,13 @@ def test_request_timeout_field_aborts_waiting_and_streaming(server: Server) -> N
     response) or a final error event before [DONE] (stream); its blocks are freed."""
     base = server.base
     body = {"model": server.model, "prompt": "x", "ignore_eos": True, "max_tokens": 8}
-    timeout = "eeserve_requests_total{endpoint=\"/v1/completions\",status=\"timeout\"}"
+    timeout = 'eeserve_requests_total{endpoint="/v1/completions",status="timeout"}'
     before = _metrics(base)[timeout]
 
     async def run() -> tuple[httpx.Response, list[str]]:
         async with httpx.AsyncClient(base_url=base, timeout=120) as c:
             async with _running_stream(c, {**body, "max_tokens": LONG}):
-                whole = await c.post(
-                    "/v1/completions", json={**body, "request_timeout": 0.001}
-                )
+                whole = await c.post("/v1/completions", json={**body, "request_timeout": 0.001})
                 req = c.build_request(
                     "POST",
                     "/v1/completions",
@@ -292,3 +291,37 @@ def test_request_timeout_field_is_validated(server: Server, value: Any) -> None:
     r = httpx.post(f"{server.base}/v1/completions", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "request_timeout"
+
+
+# -- the soak benchmark, in miniature ------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_soak_smoke(server: Server, tmp_path: Path) -> None:
+    """``eeserve bench soak`` against the one-slot server: every request is accounted for
+    (completed, 429, deadline or a planned disconnect), the records and the plot are written."""
+    from eeserve.bench.soak import add_soak_parser, run_soak
+
+    parser = argparse.ArgumentParser()
+    add_soak_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["soak", "--model", server.model, "--base-url", server.base, "--server-pid",
+         str(server.proc.pid), "--loads", "1,3", "--duration", "2", "--capacity-duration", "2",
+         "--capacity-concurrency", "3", "--long-chars", "300", "--max-tokens", "16",
+         "--disconnect-share", "0.3", "--interval", "1", "--sample-every", "0.5",
+         "--out-dir", str(tmp_path), "--label", "smoke"]
+    )  # fmt: skip
+    assert run_soak(args) == 0
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert (tmp_path / "smoke.png").stat().st_size > 0
+    assert result["capacity"]["requests_per_s"] > 0 and result["provenance"]["commit"]
+    assert [s["load"] for s in result["summaries"]] == [1.0, 3.0]
+    for s in result["summaries"]:
+        answered = s["completed"] + s["rejected"] + s["deadline"] + s["disconnected"]
+        assert s["requests"] > 0 and answered == s["requests"] and s["hung"] == s["failed"] == 0
+        assert s["kv_blocks_used_after_drain"] == 0
+    assert sum(s["rejected"] for s in result["summaries"]) > 0  # one slot: overloaded
+    rows = result["intervals"]
+    assert sum(r["requests"] for r in rows) == sum(s["requests"] for s in result["summaries"])
+    assert all(r["rss_server_mib"] for r in rows if r["t_s"] < result["phases"][-1]["end"])
+    assert result["checks"]["server_up_at_end"] is True

@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from eeserve.sampling_params import SamplingParams
-from eeserve.server.replicas import ReplicaOptions, launch_replicas, stop_replicas
+from eeserve.server.admission import ServingLimits
+from eeserve.server.replicas import APP_NAME, ReplicaOptions, launch_replicas, stop_replicas
 from tests.batch_files import read_output, request_line, run_cli, stable, write_batch
 from tests.tiny_model import make_llm
 
@@ -57,6 +58,8 @@ def replicas(ray_session: None, tiny_model_dir: Path) -> Iterator[str]:
         replicas=2,
         threads=1,
         shutdown_timeout=5,
+        # Room for the killed-replica test's 4 x 501-token requests, however Ray routes them.
+        limits=ServingLimits(max_queued_tokens=10**6),
     )
     port = _free_port()
     deployed = launch_replicas(opts, HOST, port)
@@ -209,3 +212,57 @@ def test_killed_replica_fails_its_requests_then_recovers(replicas: str) -> None:
         return [r.status_code for r in rs]
 
     assert asyncio.run(later()) == [200] * 8
+
+
+def test_admission_limits_apply_through_replicas(replicas: str, tiny_model_dir: Path) -> None:
+    """Replicas of one running slot and one waiting request each: a burst beyond that is
+    answered 429 with Retry-After and the OpenAI body by the replicas themselves (Ray's own queue
+    limit lies above theirs), counted in /metrics; a request's time limit ends it with 504."""
+    serve.delete(APP_NAME)  # the module's deployment holds both CPUs
+    opts = ReplicaOptions(
+        engine={"model": str(tiny_model_dir), "kv_cache_memory": KV_BYTES, "max_num_seqs": 1},
+        model_names=["tiny"],
+        api_key=API_KEY,
+        replicas=2,
+        threads=1,
+        shutdown_timeout=5,
+        limits=ServingLimits(max_waiting_requests=1),
+    )
+    deployed = launch_replicas(opts, HOST, int(replicas.rsplit(":", 1)[1]))
+    try:
+        body = _completion("x", 400, ignore_eos=True)
+
+        async def burst() -> list[httpx.Response]:
+            async with _client(replicas) as c:
+                return list(
+                    await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(12)))
+                )
+
+        responses = asyncio.run(burst())
+        statuses = [r.status_code for r in responses]
+        assert set(statuses) == {200, 429}, statuses
+        # At most a running and a waiting request per replica while the first ones run.
+        assert 2 <= statuses.count(200) <= 4, statuses
+        for r in responses:
+            if r.status_code == 429:
+                assert int(r.headers["Retry-After"]) >= 1
+                assert r.json()["error"]["code"] == "rate_limit_exceeded"
+        deadline = time.monotonic() + 15
+        while True:  # replicas push their pages every second
+            rejected = sum(
+                v for n, _, v in _metrics(replicas) if n == "eeserve_admission_rejected_total"
+            )
+            if rejected == statuses.count(429) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert rejected == statuses.count(429)
+
+        timed = httpx.post(
+            f"{replicas}/v1/completions",
+            json={**body, "request_timeout": 0.001},
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=120,
+        )
+        assert timed.status_code == 504 and timed.json()["error"]["code"] == "deadline_exceeded"
+    finally:
+        stop_replicas(deployed)

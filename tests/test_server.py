@@ -637,3 +637,6 @@ def _bound_generation(body: dict[str, Any]) -> None:
     for key in ("prompt", "messages"):
         if isinstance(body.get(key), list) and len(body[key]) > 4:
             body[key] = body[key][:4]
+    t = body.get("request_timeout")
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 60:
+        body["request_timeout"] = 60.0  # a valid time limit that a short request meets (no 504)

@@ -1,0 +1,307 @@
+"""``eeserve bench soak``: the server under sustained load at multiples of its capacity.
+
+Contract: ``run_soak(args)`` starts ``python -m eeserve.server MODEL`` on a free loopback port
+(``--replicas N``: N Ray Serve replicas; or benchmarks ``--base-url`` as it is), warms it up and
+measures its capacity: the completion rate of a closed loop of ``--capacity-concurrency``
+clients sending the request mix for ``--capacity-duration`` seconds, counted after the first
+fifth of that time (or takes ``--capacity`` requests/s as given). Then, for each ``--loads``
+multiple, it sends the mix open-loop (Poisson arrivals at multiple x capacity, whatever the
+server answers) for ``--duration`` seconds (one value, or one per load), waits until every
+request has ended and the server is idle, and samples the server meanwhile (``soak_load``).
+The mix: ``--long-share`` of ~1.5k-token prompts (``--long-chars``), the rest short;
+``--stream-share`` streamed; ``--disconnect-share`` of clients that hang up early on purpose;
+every request asks for ``--max-tokens`` tokens (ignore_eos). It writes
+``<out-dir>/<label>.json`` (provenance: commit, date, machine, the exact command; capacity;
+per-interval records; per-load summaries; the checks of ``soak_report.checks``) and
+``<label>.png`` (``soak_plots``), prints the summaries and returns 0, or 1 when a request failed
+or hung or the server went down. Only the given base URL (default: loopback) is contacted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from eeserve.bench.arrivals import long_prompt_texts
+from eeserve.bench.soak_load import Mix, Outcome, Sampler, closed_loop, open_loop, send
+from eeserve.bench.soak_plots import plot_soak
+from eeserve.bench.soak_report import Phase, checks, intervals, summarize_phase
+from eeserve.tuning.prompts import prompt_texts
+
+HOST = "127.0.0.1"
+
+
+def add_soak_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "soak",
+        help="overload and endurance: open-loop load at multiples of capacity",
+        description=__doc__,
+    )
+    p.add_argument("--model", default="smollm2", help="model to serve (and the request's model)")
+    p.add_argument("--base-url", default=None, help="soak this running server instead")
+    p.add_argument("--server-pid", type=int, default=None, help="with --base-url: for RSS")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--replicas", type=int, default=None, help="serve N Ray Serve replicas")
+    p.add_argument("--server-args", default="", help="extra `eeserve serve` options, quoted")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="the server's, seconds")
+    p.add_argument("--loads", default="0.5,1,2", help="multiples of capacity, comma-separated")
+    p.add_argument("--duration", default="600", help="seconds per load: one, or one per load")
+    p.add_argument("--capacity", type=float, default=None, help="requests/s (default: measure)")
+    p.add_argument("--capacity-duration", type=float, default=60.0)
+    p.add_argument("--capacity-concurrency", type=int, default=16)
+    p.add_argument("--long-share", type=float, default=0.3)
+    p.add_argument("--long-chars", type=int, default=6000, help="~1.5k tokens at ~4 chars/token")
+    p.add_argument("--stream-share", type=float, default=0.5)
+    p.add_argument("--disconnect-share", type=float, default=0.05)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--early-exit", default=None, help="request `early_exit` JSON (default: the model's)"
+    )
+    p.add_argument("--interval", type=float, default=60.0, help="seconds per record")
+    p.add_argument("--sample-every", type=float, default=5.0, help="seconds between samples")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="bench/results/soak")
+    p.add_argument("--label", default=None, help="file name stem (default: from the options)")
+    p.set_defaults(func=run_soak)
+    return p
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    loads = [float(x) for x in args.loads.split(",")]
+    durations = [float(x) for x in args.duration.split(",")]
+    if len(durations) == 1:
+        durations *= len(loads)
+    if len(durations) != len(loads):
+        raise ValueError("--duration takes one value or one per load")
+    with _server(args) as (base, pid):
+        result = asyncio.run(_soak(args, base, pid, loads, durations))
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    label = args.label or _label(args, durations)
+    result["title"] = f"{label}: {result['command']}"
+    path = out_dir / f"{label}.json"
+    path.write_text(json.dumps(result, indent=1))
+    plot_soak(result, out_dir / f"{label}.png")
+    print(format_summaries(result))
+    print(f"wrote {path} and {label}.png")
+    bad = any(s["failed"] or s["hung"] for s in result["summaries"])
+    return 1 if bad or not result["checks"]["server_up_at_end"] else 0
+
+
+def _label(args: argparse.Namespace, durations: list[float]) -> str:
+    model = Path(args.model).name or "model"
+    where = f"r{args.replicas}" if args.replicas else "single"
+    dur = "-".join(f"{d:g}" for d in dict.fromkeys(durations))
+    return f"soak_{model}_{where}_{dur}s"
+
+
+async def _soak(
+    args: argparse.Namespace, base: str, pid: int | None, loads: list[float], durations: list[float]
+) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    hard = args.request_timeout + 120  # past the server's own limit: the request hangs
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(
+        base_url=base, headers=headers, timeout=hard, limits=limits
+    ) as client:
+        mix = _mix(args)
+        t0 = time.perf_counter()
+        sampler = Sampler(client, pid, t0)
+        for warm in (mix.draw(disconnects=False) for _ in range(2)):
+            await send(client, warm, t0, hard)
+        capacity, cap_outs = await _capacity(args, client, mix, t0, hard)
+        sampler_task = asyncio.create_task(sampler.run(args.sample_every))
+        phases: list[Phase] = []
+        outcomes: list[Outcome] = []
+        for load, duration in zip(loads, durations):
+            start = time.perf_counter() - t0
+            outs = await open_loop(client, mix, load * capacity, duration, t0, hard)
+            phase = Phase(load, load * capacity, start, start + duration)
+            idle = await sampler.until_idle(60)
+            phase.drained_at, phase.idle_kv_blocks = idle.t, idle.kv_blocks_used
+            phases.append(phase)
+            outcomes += outs
+            print(f"load {load:g}x: {_counts(outs)}", flush=True)
+        sampler_task.cancel()
+        with suppress(asyncio.CancelledError):
+            await sampler_task
+        up = await _healthy(client)
+    warmup = min(args.interval, 0.2 * min(durations))
+    summaries = [summarize_phase(p, outcomes, sampler.samples, warmup) for p in phases]
+    return {
+        "command": shlex.join(["eeserve", *sys.argv[1:]]),
+        "provenance": _provenance(),
+        "config": {**_config(args), "interval_s": args.interval, "warmup_s": warmup},
+        "capacity": {
+            "requests_per_s": capacity,
+            "measured": args.capacity is None,
+            "closed_loop": _counts(cap_outs),
+        },
+        "phases": [asdict(p) for p in phases],
+        "summaries": summaries,
+        "checks": checks(summaries, up),
+        "intervals": intervals(outcomes, sampler.samples, phases, args.interval),
+        "samples": [asdict(s) for s in sampler.samples],
+    }
+
+
+def _mix(args: argparse.Namespace) -> Mix:
+    shorts = prompt_texts(64, args.seed, "bench", max_chars=400)
+    longs = long_prompt_texts(16, args.long_chars, args.seed)
+    early_exit = json.loads(args.early_exit) if args.early_exit else None
+    return Mix(
+        model=args.model,
+        short_prompts=shorts,
+        long_prompts=longs,
+        max_tokens=args.max_tokens,
+        long_share=args.long_share,
+        stream_share=args.stream_share,
+        disconnect_share=args.disconnect_share,
+        early_exit=early_exit,
+        rng=random.Random(args.seed),
+    )
+
+
+async def _capacity(
+    args: argparse.Namespace, client: httpx.AsyncClient, mix: Mix, t0: float, hard: float
+) -> tuple[float, list[Outcome]]:
+    if args.capacity is not None:
+        return args.capacity, []
+    start = time.perf_counter() - t0
+    outs = await closed_loop(
+        client, mix, args.capacity_concurrency, args.capacity_duration, t0, hard
+    )
+    counted_from = start + 0.2 * args.capacity_duration  # the loop fills up first
+    end = start + args.capacity_duration
+    done = [o for o in outs if o.status == "completed" and counted_from <= o.ended <= end]
+    if not done:
+        raise RuntimeError(f"no request completed while measuring capacity: {_counts(outs)}")
+    rate = len(done) / (end - counted_from)
+    print(f"capacity: {rate:.3f} requests/s ({_counts(outs)})", flush=True)
+    return rate, outs
+
+
+def _counts(outs: list[Outcome]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for o in outs:
+        counts[o.status] = counts.get(o.status, 0) + 1
+    return counts
+
+
+async def _healthy(client: httpx.AsyncClient) -> bool:
+    try:
+        return (await client.get("/health", timeout=10)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k != "func"}
+
+
+def _provenance() -> dict[str, Any]:
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *cmd], capture_output=True, text=True, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return "unknown"
+
+    cpu = "unknown"
+    with suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "host": platform.node(),
+            "platform": platform.platform(),
+            "cpu": cpu,
+            "cpus": os.cpu_count(),
+            "load_avg_at_end": os.getloadavg(),
+        },
+        "python": platform.python_version(),
+    }
+
+
+def format_summaries(result: dict[str, Any]) -> str:
+    head = (
+        f"{'load':>5} {'req/s':>6} {'sent':>5} {'done':>5} {'429':>5} {'dline':>5} "
+        f"{'disc':>5} {'fail':>4} {'hung':>4} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} "
+        f"{'429 p99':>7} {'idle KV':>7}"
+    )
+    lines = [f"capacity {result['capacity']['requests_per_s']:.3f} requests/s", head]
+    for s in result["summaries"]:
+        t, i = s["ttft_ms"], s["itl_ms"]
+        lines.append(
+            f"{s['load']:>5g} {s['rate_per_s']:>6.2f} {s['requests']:>5} {s['completed']:>5} "
+            f"{s['rejected']:>5} {s['deadline']:>5} {s['disconnected']:>5} {s['failed']:>4} "
+            f"{s['hung']:>4} {t['p50']:>8.0f}/{t['p99']:<8.0f} {i['p50']:>7.1f}/{i['p99']:<7.1f} "
+            f"{s['reject_ms']['p99']:>7.1f} {s['kv_blocks_used_after_drain']!s:>7}"
+        )
+    lines.append("checks: " + json.dumps(result["checks"]))
+    return "\n".join(lines)
+
+
+@contextmanager
+def _server(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
+    """(base URL, server pid): ``--base-url`` as it is, or a server started for the run."""
+    if args.base_url:
+        yield args.base_url.rstrip("/"), args.server_pid
+        return
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "eeserve.server", args.model, "--host", HOST, "--port", str(port)]
+    cmd += ["--log-level", "warning", "--request-timeout", str(args.request_timeout)]
+    if args.replicas:
+        cmd += ["--replicas", str(args.replicas)]
+    if args.api_key:
+        cmd += ["--api-key", args.api_key]
+    cmd += shlex.split(args.server_args)
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    base = f"http://{HOST}:{port}"
+    try:
+        _wait_healthy(base, proc)
+        yield base, proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _wait_healthy(base: str, proc: subprocess.Popen[bytes], timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        with suppress(httpx.TransportError):
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError("the server did not become healthy in time")

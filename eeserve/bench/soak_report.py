@@ -1,0 +1,145 @@
+"""The soak benchmark's figures: per-interval records, per-load summaries and the pass checks.
+
+Contract: ``intervals(outcomes, samples, phases, width)`` cuts the run, from the first load
+level on, into ``width``-second intervals (a minute by default) and gives, per interval, the
+requests that ended in it by status, TTFT and inter-token p50/p99 (ms, streamed requests that
+completed), the 429s' answer latency, the last RSS sample (MiB: the server process, its
+replicas, its whole process tree), the KV blocks in use and the most found in use while the
+server was idle. ``summarize_phase`` gives the same over one load level, the RSS growth after
+warm-up and the KV blocks in use once it drained. ``checks(summaries, server_up)`` compares
+them with the targets: at 2x capacity every request answered (completed, 429, deadline or a
+planned disconnect), the p99 TTFT of accepted requests within 3x of its value at 1x and 429s
+answered in under 100 ms at p99; at 1x, RSS growth after warm-up <= 5%, no KV block in use
+while idle, and no outcome but completed or a planned disconnect.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from eeserve.bench.serve import percentiles
+from eeserve.bench.soak_load import STATUSES, Outcome, Sample
+
+TTFT_RATIO_2X = 3.0
+REJECT_P99_MS = 100.0
+RSS_GROWTH_1X = 0.05
+
+
+@dataclass
+class Phase:
+    """One load level: ``load`` x capacity from ``start`` to ``end`` (run seconds)."""
+
+    load: float
+    rate: float
+    start: float
+    end: float
+    drained_at: float = math.nan  # when the server was idle again after the last request ended
+    idle_kv_blocks: float | None = None
+
+
+def _latency(outs: list[Outcome]) -> dict[str, Any]:
+    streamed = [o for o in outs if o.status == "completed" and o.stream]
+    counts = {s: sum(o.status == s for o in outs) for s in STATUSES}
+    return {
+        "requests": len(outs),
+        **counts,
+        "ttft_ms": percentiles([o.ttft for o in streamed if o.ttft is not None], (50, 99)),
+        "itl_ms": percentiles([x for o in streamed for x in o.itls], (50, 99)),
+        "reject_ms": percentiles(
+            [o.reject_latency for o in outs if o.reject_latency is not None], (50, 99)
+        ),
+    }
+
+
+def _last(samples: list[Sample], key: str) -> float | None:
+    values = [getattr(s, key) for s in samples if getattr(s, key) is not None]
+    return values[-1] if values else None
+
+
+def intervals(
+    outcomes: list[Outcome], samples: list[Sample], phases: list[Phase], width: float
+) -> list[dict[str, Any]]:
+    ends = [p.end for p in phases] + [p.drained_at for p in phases if not math.isnan(p.drained_at)]
+    begin = phases[0].start if phases else 0.0
+    rows = []
+    for k in range(math.ceil((max(ends, default=begin) - begin) / width)):
+        lo, hi = begin + k * width, begin + (k + 1) * width
+        outs = [o for o in outcomes if lo <= o.ended < hi]
+        smp = [s for s in samples if lo <= s.t < hi]
+        idle = [s.kv_blocks_used for s in smp if s.idle and s.kv_blocks_used is not None]
+        used = [s.kv_blocks_used for s in smp if s.kv_blocks_used is not None]
+        load = next((p.load for p in phases if p.start <= lo < p.end), None)
+        rows.append(
+            {
+                "t_s": lo,
+                "load": load,
+                **_latency(outs),
+                "rss_server_mib": _last(smp, "rss_server_mib"),
+                "rss_replicas_mib": _last(smp, "rss_replicas_mib"),
+                "rss_tree_mib": _last(smp, "rss_tree_mib"),
+                "kv_blocks_used_max": max(used) if used else None,
+                "kv_blocks_used_idle_max": max(idle) if idle else None,
+            }
+        )
+    return rows
+
+
+def summarize_phase(
+    phase: Phase, outcomes: list[Outcome], samples: list[Sample], warmup: float
+) -> dict[str, Any]:
+    outs = [o for o in outcomes if phase.start <= o.sent < phase.end]
+    smp = [s for s in samples if phase.start <= s.t <= phase.end]
+    after = [s for s in smp if s.t >= phase.start + warmup]
+    growth: dict[str, float | None] = {}
+    for key in ("rss_server_mib", "rss_replicas_mib", "rss_tree_mib"):
+        vals = [getattr(s, key) for s in after if getattr(s, key) is not None]
+        growth[key] = (vals[-1] - vals[0]) / vals[0] if len(vals) >= 2 and vals[0] else None
+    idle = [s.kv_blocks_used for s in smp if s.idle and s.kv_blocks_used is not None]
+    return {
+        "load": phase.load,
+        "rate_per_s": phase.rate,
+        "duration_s": phase.end - phase.start,
+        **_latency(outs),
+        "rss_growth_after_warmup": growth,
+        "rss_tree_mib_first_last": [_first(after, "rss_tree_mib"), _last(after, "rss_tree_mib")],
+        "kv_blocks_used_idle_max": max(idle) if idle else None,
+        "kv_blocks_used_after_drain": phase.idle_kv_blocks,
+        "drain_s": phase.drained_at - phase.end,
+    }
+
+
+def _first(samples: list[Sample], key: str) -> float | None:
+    values = [getattr(s, key) for s in samples if getattr(s, key) is not None]
+    return values[0] if values else None
+
+
+def checks(summaries: list[dict[str, Any]], server_up: bool) -> dict[str, Any]:
+    by_load = {s["load"]: s for s in summaries}
+    out: dict[str, Any] = {"server_up_at_end": server_up}
+    one, two = by_load.get(1.0), by_load.get(2.0)
+    if two is not None:
+        out["2x_every_request_answered"] = two["failed"] == 0 and two["hung"] == 0
+        if one is not None:
+            ratio = two["ttft_ms"]["p99"] / one["ttft_ms"]["p99"]
+            out["2x_ttft_p99_over_1x"] = ratio
+            out["2x_ttft_p99_within_3x"] = ratio <= TTFT_RATIO_2X
+        p99 = two["reject_ms"]["p99"]
+        out["2x_reject_p99_ms"] = p99
+        out["2x_reject_p99_under_100ms"] = None if math.isnan(p99) else p99 < REJECT_P99_MS
+    if one is not None:
+        growth = [
+            g
+            for key in ("rss_server_mib", "rss_replicas_mib")
+            if (g := one["rss_growth_after_warmup"][key]) is not None
+        ]
+        out["1x_rss_growth_max"] = max(growth) if growth else None
+        out["1x_rss_growth_within_5pct"] = max(growth) <= RSS_GROWTH_1X if growth else None
+        idle = [one["kv_blocks_used_idle_max"], one["kv_blocks_used_after_drain"]]
+        out["1x_kv_blocks_zero_when_idle"] = all(v in (0, None) for v in idle) and any(
+            v is not None for v in idle
+        )
+        errors = one["rejected"] + one["deadline"] + one["failed"] + one["hung"]
+        out["1x_errors_other_than_disconnects"] = errors
+    return out
