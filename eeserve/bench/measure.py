@@ -2,7 +2,8 @@
 
 Contract: ``run_engine``/``run_hf`` generate the given prompts greedily to a fixed length and
 return a ``Run`` (tokens/s, decode tokens/s, inter-token latency, outputs, exit layers);
-``median_of``/``median_run`` pick the median run; ``machine_description`` records where it ran;
+``median_of``/``median_run`` pick the median run; ``machine_description`` records where it ran
+and ``provenance`` what produced a result (command, commit, date, machine);
 ``token_agreement_mean``/``quality_vs`` compare outputs (quality beside every speed figure).
 """
 
@@ -10,9 +11,13 @@ from __future__ import annotations
 
 import copy
 import platform
+import shlex
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -160,3 +165,29 @@ def quality_vs(ref: Run, run: Run, tokenizer: Any) -> tuple[float, float]:
         rouge_l(tokenizer.decode(a), tokenizer.decode(b)) for a, b in zip(run.outputs, ref.outputs)
     )
     return agree, rouge
+
+
+def git_revision() -> str | None:
+    """The checkout's commit (``+dirty`` with local changes), when run from a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(root), "describe", "--always", "--dirty=+dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev.stdout.strip() or None
+
+
+def provenance() -> dict[str, Any]:
+    """Where a result comes from: the exact command, the commit, the date and the machine."""
+    return {
+        "command": shlex.join(["eeserve", *sys.argv[1:]]),
+        "commit": git_revision(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "machine": machine_description(),
+    }

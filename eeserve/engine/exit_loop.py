@@ -52,6 +52,7 @@ class ExitLoop:
         self.draft_head: torch.nn.Module | None = None
         # The LM head's rows of the vocabulary shortlist (``shortlist_*`` measures): [n, K].
         self.shortlist_head: torch.nn.Module | None = None
+        self.shortlist_rows = 0
 
     def head_normed(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """LM-head input [n, D] of exit ``layer`` (1-based) from the head's input [n, D]: the

@@ -119,6 +119,7 @@ class ModelRunner:
             rows = _shortlist_rows(exit_config, config, exit_heads)
             ids = torch.tensor(exit_config.shortlist[:rows], dtype=torch.long)
             self.exit_loop.shortlist_head = self._head_rows(ids.to(opts.device))
+            self.exit_loop.shortlist_rows = rows
 
     def _place_weights(self, exit_heads: ExitHeads | None) -> torch.nn.Module:
         """Routes the model (and exit heads) onto the engine's kernels, int8 or packed float
