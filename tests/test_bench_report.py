@@ -197,7 +197,7 @@ def test_sections_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert r["peer"] == {"skipped": f"llama-cpp-python is not installed; {llamacpp.INSTALL_HINT}"}
     md = (out / "report.md").read_text()
     assert "## llama.cpp\n\nSkipped: llama-cpp-python is not installed; pip install" in md
-    assert main([*argv[:-6], "--sections", "paper"]) == 2
+    assert main([*argv[:-6], "--sections", "papers"]) == 2
 
 
 def test_no_peer_leaves_the_llama_cpp_section_out(report: tuple[Path, dict[str, Any]]) -> None:
@@ -218,3 +218,83 @@ def test_llama_cpp_rows_render_as_a_table() -> None:
     md = peer_section({"peer": {"rows": [row]}})
     assert md.startswith("## llama.cpp\n")
     assert "| 8 | 255.5 | 275.9 | 0.93× | 1.000 / 1.000 |" in md
+
+
+# -- the paper section (--sections paper) ------------------------------------------------------
+
+PAPER_POLICIES = ["batch_all", "per_sequence", "auto"]
+
+
+@pytest.fixture(scope="module")
+def paper(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("paper")
+    model = build_tiny_model(tmp / "model", weight_std=0.2, norm_noise=0.1, max_pos=2048)
+    out = tmp / "out"
+    argv = [
+        "bench", "report", "--model", str(model), "--out", str(out), "--batch-sizes", "1,2",
+        "--max-tokens", str(MAX_TOKENS), "--repeats", "1", "--no-hf", "--no-peer",
+        "--sections", "paper", "--paper-measures", "softmax_margin",
+        "--paper-thresholds", "1.01,0.05", "--paper-texts", "2",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    return out, json.loads((out / "report.json").read_text())
+
+
+def test_paper_section_rows(paper: tuple[Path, dict[str, Any]]) -> None:
+    _, r = paper
+    assert "paper" not in r and "speculative" not in r  # only the section asked for
+    sweep = r["paper_sweep"]
+    assert sweep["policies"] == PAPER_POLICIES
+    assert [(x["batch"], x["policy"], x["threshold"]) for x in sweep["rows"]] == [
+        (b, p, t) for b in BATCHES for p in PAPER_POLICIES for t in (1.01, 0.05)
+    ]
+    assert [x["batch"] for x in sweep["full_depth"]] == BATCHES
+    for x in sweep["full_depth"]:
+        assert x["layers_per_iteration"] == x["layers_per_token"] == x["mean_exit_layer"] == 4
+        assert x["decode_passes"] == MAX_TOKENS - 1
+    exited = False
+    for x in sweep["rows"]:
+        assert x["decode_passes"] == MAX_TOKENS - 1 and x["ratio"] > 0
+        assert 0 <= x["rouge_l"] <= 1 and x["ppl_ratio"] > 0
+        # A pass runs its deepest row's layers: at least the mean over rows.
+        assert x["layers_per_iteration"] >= x["layers_per_token"] - 1e-9
+        if x["batch"] == 1:  # one row: a pass is a token
+            assert x["layers_per_iteration"] == pytest.approx(x["mean_exit_layer"])
+            assert x["ideal_pass"] == pytest.approx(x["ideal_token"])
+        if x["threshold"] == 1.01:  # nothing exits: full depth, whatever the policy
+            assert x["layers_per_iteration"] == x["layers_per_token"] == 4
+            assert x["ideal_pass"] == x["ideal_token"] == 1.0
+            assert x["ppl_ratio"] == 1.0 and x["rouge_l"] == 1.0 and x["token_agreement"] == 1.0
+        else:
+            assert (x["ideal_token"] > 1) == (x["mean_exit_layer"] < 4)
+            exited |= x["layers_per_iteration"] < 4
+    assert exited  # threshold 0.05 makes some passes stop early
+    tf = sweep["teacher_forced"]
+    assert tf["texts"]["count"] == 2 and tf["texts"]["scored_tokens"] > 0
+    assert tf["points"]["softmax_margin@1.01"]["ratio"] == 1.0
+    assert tf["points"]["softmax_margin@0.05"]["exited"] > 0
+    cm = sweep["cost_model"]
+    assert cm["layer"] > 0 and cm["head"] > 0
+
+
+def test_paper_section_markdown_and_plot(paper: tuple[Path, dict[str, Any]]) -> None:
+    out, r = paper
+    md = (out / "report.md").read_text()
+    assert "## 5. The paper's comparison" in md and "](paper_sweep.png)" in md
+    assert "| full depth | – | – |" in md and "### Held-out quality per threshold" in md
+    assert "## 1. Early exit" not in md
+    data = (out / "paper_sweep.png").read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 5000
+    cmd = r["meta"]["canonical_command"]
+    assert "--sections paper" in cmd and "--paper-thresholds 1.01,0.05" in cmd
+
+
+def test_paper_thresholds_flag() -> None:
+    from eeserve.bench.report_config import ReportConfig, parse_paper_thresholds
+
+    spec = parse_paper_thresholds("classifier=1.01,0.9;hidden_cosine=1.01,0.99")
+    assert spec == {"classifier": [1.01, 0.9], "hidden_cosine": [1.01, 0.99]}
+    cfg = ReportConfig(paper_thresholds=spec)
+    assert cfg.thresholds_for("classifier") == [1.01, 0.9]
+    assert cfg.thresholds_for("max_prob")[0] == 1.01  # the defaults start where nothing exits
+    assert ReportConfig(paper_thresholds=parse_paper_thresholds("0.5")).thresholds_for("x") == [0.5]

@@ -3,7 +3,8 @@
 Contract: ``plot_all(results, out)`` writes ``frontier.png`` (speed ratio against ROUGE-L and
 token agreement, one curve per measure), ``throughput.png`` (decode tokens/s and inter-token
 latency by batch size: full depth, early exit per policy and KV-debt strategy, HF) and
-``exit_layers.png`` (share of generated tokens per exit layer at the operating point) from the
+``exit_layers.png`` (share of generated tokens per exit layer at the operating point) and, with
+the paper section, ``paper_sweep.png`` (speed against quality per policy and batch size) from the
 results dict of ``report.json``, and returns their paths. No global pyplot state is touched.
 """
 
@@ -129,9 +130,53 @@ def layer_axis(results: dict[str, Any]) -> list[int]:
     return sorted(seen | set(meta["exit_config"]["exit_layers"]) | {meta["num_layers"]})
 
 
+def paper_sweep(results: dict[str, Any], path: Path) -> Path:
+    """Per batch size (columns): speed ratio against ROUGE-L (top) and against the teacher-forced
+    perplexity ratio (bottom), a curve per policy over the thresholds, and dashed beside it the
+    same points at the policy's ``ideal_pass`` (what the layers it ran allow)."""
+    sweep, meta = results["paper_sweep"], results["meta"]
+    batches = sorted({r["batch"] for r in sweep["rows"]})
+    fig = Figure(figsize=(4.2 * max(1, len(batches)), 8))
+    axes = fig.subplots(2, max(1, len(batches)), squeeze=False)
+    for col, b in enumerate(batches):
+        for row, (key, label) in enumerate(
+            (("rouge_l", "ROUGE-L vs full-depth text"),
+             ("ppl_ratio", "held-out perplexity / full depth's (teacher-forced)"))
+        ):  # fmt: skip
+            ax = axes[row][col]
+            for policy in sweep["policies"]:
+                pts = [r for r in sweep["rows"] if r["batch"] == b and r["policy"] == policy]
+                pts.sort(key=lambda r: (r["measure"], -r["threshold"]))
+                xs = [r[key] for r in pts]
+                (line,) = ax.plot(xs, [r["ratio"] for r in pts], "o-", label=policy)
+                ax.plot(xs, [r["ideal_pass"] for r in pts], "x--", color=line.get_color(), lw=1)
+                for r in pts:
+                    ax.annotate(f"{r['threshold']:g}", (r[key], r["ratio"]), fontsize=6,
+                                xytext=(3, 3), textcoords="offset points")  # fmt: skip
+            ax.axhline(1.0, color="black", ls=":", lw=1)
+            ax.set_xlabel(label, fontsize=8)
+            ax.set_title(f"batch {b}", fontsize=9)
+            ax.grid(alpha=0.3)
+        axes[0][col].invert_xaxis()  # quality falls to the right, as the perplexity ratio rises
+    axes[0][0].set_ylabel("decode speed / full depth")
+    axes[1][0].set_ylabel("decode speed / full depth")
+    axes[0][0].legend(fontsize=7, title="policy (x--: its ideal_pass)", title_fontsize=7)
+    fig.suptitle(
+        f"{meta['model']}: batch policies across thresholds (labels), {meta['max_tokens']} tokens",
+        fontsize=10,
+    )
+    return _save(fig, path)
+
+
 def plot_all(results: dict[str, Any], out: Path) -> list[Path]:
-    return [
-        frontier(results, out / "frontier.png"),
-        throughput(results, out / "throughput.png"),
-        exit_layers(results, out / "exit_layers.png"),
-    ]
+    """The plots of the sections present in ``results``."""
+    paths = []
+    if "paper" in results:
+        paths += [
+            frontier(results, out / "frontier.png"),
+            throughput(results, out / "throughput.png"),
+            exit_layers(results, out / "exit_layers.png"),
+        ]
+    if "paper_sweep" in results:
+        paths.append(paper_sweep(results, out / "paper_sweep.png"))
+    return paths

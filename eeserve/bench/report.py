@@ -14,7 +14,10 @@ request makes exactly ``max_tokens``:
 3. baseline: HF transformers ``generate`` (``bench.measure.run_hf``) on the same weights, dtype
    and prompts;
 4. telemetry of every early-exit run: histogram of exit layers over all generated tokens (the
-   first token of a request comes from the prefill, at full depth) and mean layers per token.
+   first token of a request comes from the prefill, at full depth) and mean layers per token;
+5. (``--sections paper``, ``bench.report_paper``) the seed paper's comparison: full depth and
+   each batch policy across thresholds at every batch size, with quality (ROUGE-L, held-out
+   teacher-forced perplexity), layers run per pass and per token, and the cost model's ideals.
 
 Repeats are interleaved (full depth, each early-exit setting and HF one after the other, per
 repeat) and each figure is the median run by decode tokens/s; a ratio divides two medians of
@@ -37,8 +40,14 @@ from typing import Any
 from tqdm import tqdm
 
 from eeserve.bench.plots import plot_all
-from eeserve.bench.report_config import ReportConfig, canonical_command, config_from_args
+from eeserve.bench.report_config import (
+    PAPER_TEXT_SOURCES,
+    ReportConfig,
+    canonical_command,
+    config_from_args,
+)
 from eeserve.bench.report_md import render
+from eeserve.bench.report_paper import paper_blocks, paper_quality, paper_rows, paper_warm_up
 from eeserve.bench.report_peer import Peer, open_peer, peer_blocks, peer_rows
 from eeserve.bench.report_run import ReportRun, run_blocks
 from eeserve.bench.report_spec import speculative_blocks, speculative_rows
@@ -56,13 +65,17 @@ def run_report(cfg: ReportConfig) -> dict[str, Any]:
     spec_blocks = speculative_blocks(run) if "speculative" in cfg.sections else []
     if spec_blocks:
         spec_warm_up(run)
+    sweep = paper_blocks(run) if "paper" in cfg.sections else []
+    if sweep:
+        paper_warm_up(run)
+        quality = paper_quality(run)
     peer = open_peer(run) if cfg.peer else Peer()
     if peer.skipped:
         print(f"llama.cpp section skipped: {peer.skipped}", file=sys.stderr)
     try:
         t1 = time.perf_counter()
         more = peer_blocks(run, peer)
-        blocks = exit_blocks + spec_blocks + more
+        blocks = exit_blocks + spec_blocks + sweep + more
         tokens = cfg.repeats * cfg.max_tokens * sum(b.batch * len(b.jobs) for b in blocks)
         with tqdm(total=tokens, desc="bench report", unit="tok", file=sys.stderr) as bar:
             done = run_blocks(blocks, cfg.repeats, 60 * cfg.time_budget_min, bar, cfg.max_tokens)
@@ -72,6 +85,8 @@ def run_report(cfg: ReportConfig) -> dict[str, Any]:
     results: dict[str, Any] = run.rows(exit_blocks) if exit_blocks else {}
     if spec_blocks:
         results["speculative"] = speculative_rows(run, spec_blocks)
+    if sweep:
+        results["paper_sweep"] = paper_rows(run, sweep, quality)
     if cfg.peer:
         results["peer"] = {"skipped": peer.skipped} if peer.skipped else {}
         if more:
@@ -115,7 +130,7 @@ def write(results: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "report.json", out / "report.md"]
     paths[0].write_text(json.dumps(results, indent=2, default=str))
-    plots = plot_all(results, out) if "paper" in results else []
+    plots = plot_all(results, out)
     paths[1].write_text(render(results, [p.name for p in plots]))
     return paths + plots
 
@@ -167,7 +182,8 @@ def add_report_parser(sub: Any) -> None:
     p.add_argument(
         "--sections",
         default="exit,speculative",
-        help="exit (sections 1-4) and/or speculative (speculative mode vs full depth)",
+        help="exit (sections 1-4), speculative (speculative mode vs full depth) and/or paper "
+        "(batch policies across thresholds, with layers run and the cost model's ideal)",
     )
     p.add_argument(
         "--num-draft-tokens", default="4", help="speculative section: drafts per verification"
@@ -177,4 +193,30 @@ def add_report_parser(sub: Any) -> None:
         default="exits,int8",
         help="speculative section: what drafts (exits: the exit heads; int8: an int8 copy)",
     )
+    _add_paper_args(p)
     p.set_defaults(func=main_report)
+
+
+def _add_paper_args(p: argparse.ArgumentParser) -> None:
+    """The paper section's options (``bench.report_paper``)."""
+    p.add_argument(
+        "--paper-policies", default="batch_all,per_sequence,auto", help="paper section: policies"
+    )
+    p.add_argument(
+        "--paper-measures", default=None, help="paper section: measures (default: the model's)"
+    )
+    p.add_argument(
+        "--paper-thresholds",
+        default=None,
+        help="paper section: '1.01,0.9,0.5' (every measure) or 'classifier=1.01,0.9;"
+        "hidden_cosine=1.01,0.99' (default: 1.01 (nothing exits) down to 0.3; cosine to 0.95)",
+    )
+    p.add_argument(
+        "--paper-texts", type=int, default=None, help="paper section: held-out texts (16; quick 4)"
+    )
+    p.add_argument(
+        "--paper-text-source",
+        default="generated",
+        choices=PAPER_TEXT_SOURCES,
+        help="paper section's perplexity: held-out prompts' full-depth continuations, or passages",
+    )

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from eeserve.engine.policy import POLICIES
 from eeserve.exit_params import DRAFT_SOURCES
 
 
@@ -26,10 +27,19 @@ class _Defaults:
     frontier_batch: int
     thresholds: str  # softmax and classifier measures
     cosine_thresholds: str  # hidden_cosine
+    paper_texts: int  # teacher-forced held-out texts of the paper section
 
 
-_FULL = _Defaults("1,8,32", 128, 3, 8, "0.5,0.9,0.99", "0.95,0.98,0.99")
-_QUICK = _Defaults("1,8", 32, 1, 8, "0.5,0.9", "0.95,0.99")
+_FULL = _Defaults("1,8,32", 128, 3, 8, "0.5,0.9,0.99", "0.95,0.98,0.99", 16)
+_QUICK = _Defaults("1,8", 32, 1, 8, "0.5,0.9", "0.95,0.99", 4)
+SECTIONS = ("exit", "speculative", "paper")
+PAPER_TEXT_SOURCES = ("generated", "passages")
+# The paper section's thresholds when ``--paper-thresholds`` names none for a measure: from
+# "nothing exits" (1.01: no confidence reaches it) down to where about half the layers go.
+PAPER_THRESHOLDS = {
+    "hidden_cosine": [1.01, 0.999, 0.995, 0.99, 0.98, 0.95],
+    "": [1.01, 0.99, 0.9, 0.7, 0.5, 0.3],  # every other measure
+}
 
 
 @dataclass
@@ -62,10 +72,34 @@ class ReportConfig:
     num_draft_tokens: list[int] = field(default_factory=lambda: [4])
     # Speculative section: what drafts ("exits": the exit heads; "int8": an int8 copy).
     speculative_drafts: list[str] = field(default_factory=lambda: ["exits", "int8"])
+    # Paper section (``bench.report_paper``): policies (KV debt ``fill``), measures (None: the
+    # exit config's default), thresholds per measure ("": every measure not named).
+    paper_policies: list[str] = field(default_factory=lambda: ["batch_all", "per_sequence", "auto"])
+    paper_measures: list[str] | None = None
+    paper_thresholds: dict[str, list[float]] = field(default_factory=dict)
+    paper_texts: int = 16  # held-out texts of the teacher-forced perplexity
+    paper_text_source: str = "generated"  # their full-depth continuations, or the passages
+
+    def thresholds_for(self, measure: str) -> list[float]:
+        """The paper section's thresholds of ``measure``."""
+        spec = self.paper_thresholds
+        if measure in spec or "" in spec:
+            return spec.get(measure, spec.get("", []))
+        return PAPER_THRESHOLDS.get(measure, PAPER_THRESHOLDS[""])
 
 
 def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
+
+
+def parse_paper_thresholds(s: str | None) -> dict[str, list[float]]:
+    """``0.9,0.5`` (every measure) or ``classifier=1.01,0.9;hidden_cosine=1.01,0.99``."""
+    out: dict[str, list[float]] = {}
+    for part in (s or "").split(";"):
+        if part.strip():
+            name, _, values = part.rpartition("=")
+            out[name.strip()] = _floats(values)
+    return out
 
 
 def config_from_args(args: argparse.Namespace) -> ReportConfig:
@@ -98,9 +132,14 @@ def config_from_args(args: argparse.Namespace) -> ReportConfig:
         quick=args.quick,
         note=args.note,
         command=_command_line(),
-        sections=_names(args.sections, ("exit", "speculative"), "--sections"),
+        sections=_names(args.sections, SECTIONS, "--sections"),
         num_draft_tokens=[int(n) for n in args.num_draft_tokens.split(",")],
         speculative_drafts=_names(args.speculative_drafts, DRAFT_SOURCES, "--speculative-drafts"),
+        paper_policies=_names(args.paper_policies, POLICIES, "--paper-policies"),
+        paper_measures=args.paper_measures.split(",") if args.paper_measures else None,
+        paper_thresholds=parse_paper_thresholds(args.paper_thresholds),
+        paper_texts=args.paper_texts if args.paper_texts is not None else base.paper_texts,
+        paper_text_source=args.paper_text_source,
     )
 
 
@@ -168,5 +207,23 @@ def canonical_command(cfg: ReportConfig) -> str:
     ):
         if value is not None:
             args += [flag, str(value)]
+    args += _paper_args(cfg)
     args += [] if cfg.hf else ["--no-hf"]
     return shlex.join(args + ([] if cfg.peer else ["--no-peer"]))
+
+
+def _paper_args(cfg: ReportConfig) -> list[str]:
+    """The paper section's options, when it runs."""
+    if "paper" not in cfg.sections:
+        return []
+    args = ["--paper-policies", ",".join(cfg.paper_policies), "--paper-texts",
+            str(cfg.paper_texts), "--paper-text-source", cfg.paper_text_source]  # fmt: skip
+    if cfg.paper_measures:
+        args += ["--paper-measures", ",".join(cfg.paper_measures)]
+    if cfg.paper_thresholds:
+        spec = ";".join(
+            f"{m}={','.join(f'{t:g}' for t in ts)}" if m else ",".join(f"{t:g}" for t in ts)
+            for m, ts in cfg.paper_thresholds.items()
+        )
+        args += ["--paper-thresholds", spec]
+    return args

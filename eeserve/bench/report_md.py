@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from eeserve.bench.plots import layer_axis
+from eeserve.bench.report_paper_md import paper_sweep_section
 from eeserve.bench.report_peer import peer_section
 from eeserve.bench.report_spec import speculative_section
 
@@ -223,6 +224,8 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         parts += _exit_sections(results, plot)
     if "speculative" in results:
         parts.append(speculative_section(results))
+    if "paper_sweep" in results:
+        parts.append(paper_sweep_section(results, plot.get("paper_sweep")))
     if "peer" in results:
         parts.append(peer_section(results))
     return "\n\n".join(parts) + "\n"

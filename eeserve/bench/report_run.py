@@ -1,7 +1,8 @@
 """The measuring half of ``eeserve bench report`` (see ``bench.report`` for the contract).
 
-Contract: ``ReportRun(cfg)`` loads one engine per exit policy and KV-debt strategy (prefix caching
-off, a KV pool sized for the largest batch), the HF model and the prompts; ``paper`` and
+Contract: ``ReportRun(cfg)`` loads one engine per exit policy and KV-debt strategy that its
+sections use (``engine_keys``; prefix caching off, a KV pool sized for the largest batch), the HF
+model (for section 3) and the prompts; ``paper`` and
 ``frontier`` return rows of raw figures. Every early-exit row carries its speed next to full
 depth measured in the same interleaved repeats, its quality against the full-depth text and its
 exit telemetry. Batch sizes whose engines would not fit in 80% of free memory are skipped (and
@@ -46,8 +47,10 @@ PROB_MEASURES = ("softmax_margin", "max_prob", "classifier")
 # -- preparing the run ---------------------------------------------------------------------
 
 
-def build_prompts(tokenizer: Any, n: int, seed: int, chat: bool) -> list[list[int]]:
-    texts = prompt_texts(n, seed=seed, split="bench")
+def build_prompts(
+    tokenizer: Any, n: int, seed: int, chat: bool, split: str = "bench"
+) -> list[list[int]]:
+    texts = prompt_texts(n, seed=seed, split=split)
     if chat and getattr(tokenizer, "chat_template", None):
         return [chat_token_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
     return [list(tokenizer(t).input_ids) for t in texts]
@@ -71,12 +74,16 @@ def _available_memory(device: torch.device) -> int:
 
 
 def fit_batch_sizes(
-    cfg: ReportConfig, folder: Path, prompts: list[list[int]], device: torch.device, itemsize: int
+    cfg: ReportConfig,
+    folder: Path,
+    prompts: list[list[int]],
+    device: torch.device,
+    itemsize: int,
+    engines: int,
 ) -> tuple[list[int], list[int]]:
-    """(batch sizes whose engines + HF model fit in 80% of free memory, those that do not)."""
+    """(batch sizes whose ``engines`` + HF model fit in 80% of free memory, those that do not)."""
     mcfg = read_config(folder)
     weights = sum(f.stat().st_size for f in folder.glob("*.safetensors")) * itemsize // 4
-    engines = len(cfg.policies) * len(cfg.kv_fills)
     free = 0.8 * _available_memory(device)
     fit: list[int] = []
     skipped: list[int] = []
@@ -188,6 +195,14 @@ def frontier_settings(cfg: ReportConfig, xc: ExitConfig) -> list[tuple[str, floa
     return [(m, t, s) for (m, t), s in sorted(points.items())]
 
 
+def engine_keys(cfg: ReportConfig) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(policy, KV-debt strategy) of the engines that sections 1-4 and speculative use, and of
+    those the paper section uses (``fill``; the same engine where both need it)."""
+    exits = [(p, f) for p in cfg.policies for f in cfg.kv_fills]
+    paper = [(p, "fill") for p in cfg.paper_policies] if "paper" in cfg.sections else []
+    return (exits if {"exit", "speculative"} & set(cfg.sections) else []), paper
+
+
 # -- the run -------------------------------------------------------------------------------
 
 
@@ -207,8 +222,10 @@ class ReportRun:
         probe = EngineConfig(model=cfg.model, dtype=cfg.dtype)
         self.device, self.dtype = probe.resolved_device(), probe.resolved_dtype()
         size = self.dtype.itemsize
+        exit_keys, paper_keys = engine_keys(cfg)
+        keys = list(dict.fromkeys(exit_keys + paper_keys))
         self.batch_sizes, self.skipped = fit_batch_sizes(
-            cfg, self.folder, self.prompts, self.device, size
+            cfg, self.folder, self.prompts, self.device, size, len(keys)
         )
         self.frontier_batch = min(cfg.frontier_batch, max(self.batch_sizes))
         n = max(self.batch_sizes)
@@ -222,12 +239,13 @@ class ReportRun:
             kv_cache_memory=kv,
         )
         # Exits draft on these engines (speculative section); the int8 drafter has its own.
-        self.engines = {
+        built = {
             (p, f): LLMEngine(engine(exit_policy=p, kv_fill=f, speculative_draft="exits"))
-            for p in cfg.policies
-            for f in cfg.kv_fills
+            for p, f in keys
         }
-        self.first = next(iter(self.engines.values()))
+        self.engines = {k: built[k] for k in exit_keys}  # sections 1-4 and speculative
+        self.paper_engines = {p: built[(p, f)] for p, f in paper_keys}  # ``report_paper``
+        self.first = next(iter(built.values()))
         spec_int8 = "speculative" in cfg.sections and "int8" in cfg.speculative_drafts
         self.int8_drafter = (
             LLMEngine(engine(exit_policy=cfg.policies[0], speculative_draft="int8"))
@@ -238,7 +256,7 @@ class ReportRun:
         self.num_layers = self.first.model_config.num_layers
         self.op = operating_point(cfg, self.exit_config)
         self.settings = frontier_settings(cfg, self.exit_config)
-        self.hf = self._load_hf() if cfg.hf else None
+        self.hf = self._load_hf() if cfg.hf and "exit" in cfg.sections else None
         self.pad = int(self.tokenizer.pad_token_id or 0)
 
     def _load_hf(self) -> Any:
