@@ -86,11 +86,15 @@ def test_int8_keeps_most_tokens(real: Real) -> None:
 
 
 def test_default_is_full_depths_tokens(real: Real) -> None:
-    """Whatever mode the model's defaults pick (speculative with int8 drafts when so configured),
-    greedy tokens are full depth's."""
+    """The packaged exit config makes requests speculative with int8 drafts by default: greedy
+    tokens are full depth's (HF's)."""
     llm = make_llm("gemma3-270m", kv_cache_memory=96 * 2**20)
     prompts = real.prompts[:4]
     default = llm.generate(prompts, greedy(), use_tqdm=False)
     full = llm.generate(prompts, greedy(), use_tqdm=False, exit_params=ExitParams(enabled=False))
     assert [o.outputs[0].token_ids for o in default] == [o.outputs[0].token_ids for o in full]
     assert [o.outputs[0].token_ids for o in full] == real.refs[:4]
+    cfg = llm.engine.exit_config
+    assert (cfg.default_mode, llm.engine.speculative_draft) == ("speculative", "int8")
+    drafted = {x for o in default for x in o.outputs[0].draft_layers or [] if x is not None}
+    assert drafted == {18}, "the default drafts with the int8 copy at full depth"
