@@ -136,6 +136,7 @@ def paper_sweep(results: dict[str, Any], path: Path) -> Path:
     same points at the policy's ``ideal_pass`` (what the layers it ran allow)."""
     sweep, meta = results["paper_sweep"], results["meta"]
     batches = sorted({r["batch"] for r in sweep["rows"]})
+    measures = list(dict.fromkeys(x["measure"] for x in sweep["settings"]))
     fig = Figure(figsize=(4.2 * max(1, len(batches)), 8))
     axes = fig.subplots(2, max(1, len(batches)), squeeze=False)
     for col, b in enumerate(batches):
@@ -144,15 +145,19 @@ def paper_sweep(results: dict[str, Any], path: Path) -> Path:
              ("ppl_ratio", "held-out perplexity / full depth's (teacher-forced)"))
         ):  # fmt: skip
             ax = axes[row][col]
-            for policy in sweep["policies"]:
-                pts = [r for r in sweep["rows"] if r["batch"] == b and r["policy"] == policy]
-                pts.sort(key=lambda r: (r["measure"], -r["threshold"]))
-                xs = [r[key] for r in pts]
-                (line,) = ax.plot(xs, [r["ratio"] for r in pts], "o-", label=policy)
-                ax.plot(xs, [r["ideal_pass"] for r in pts], "x--", color=line.get_color(), lw=1)
-                for r in pts:
-                    ax.annotate(f"{r['threshold']:g}", (r[key], r["ratio"]), fontsize=6,
-                                xytext=(3, 3), textcoords="offset points")  # fmt: skip
+            for i, policy in enumerate(sweep["policies"]):
+                for marker, measure in zip("os^Dv", measures):
+                    pts = [r for r in sweep["rows"] if (r["batch"], r["policy"], r["measure"])
+                           == (b, policy, measure)]  # fmt: skip
+                    pts.sort(key=lambda r: -r["threshold"])
+                    xs = [r[key] for r in pts]
+                    color = f"C{i}"
+                    name = policy if len(measures) == 1 else f"{policy}, {measure}"
+                    ax.plot(xs, [r["ratio"] for r in pts], marker=marker, color=color, label=name)
+                    ax.plot(xs, [r["ideal_pass"] for r in pts], "x--", color=color, lw=1)
+                    for r in pts:
+                        ax.annotate(f"{r['threshold']:g}", (r[key], r["ratio"]), fontsize=6,
+                                    xytext=(3, 3), textcoords="offset points")  # fmt: skip
             ax.axhline(1.0, color="black", ls=":", lw=1)
             ax.set_xlabel(label, fontsize=8)
             ax.set_title(f"batch {b}", fontsize=9)
