@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from fastapi.testclient import TestClient
 
+from eeserve import ExitParams, SamplingParams
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.kernels import native
 from eeserve.kernels.packing import pack_for_cpu, use_native_ops
@@ -23,6 +25,8 @@ from eeserve.models.fetch import fetch_gemma3, gemma3_requirements
 from eeserve.models.gemma3 import Gemma3ForCausalLM
 from eeserve.models.llama import LlamaForCausalLM, Rotary
 from eeserve.models.loader import load_model, read_config
+from eeserve.server.app import create_app
+from tests.tiny_model import build_tokenizer, hf_greedy, load_hf, make_llm
 
 WINDOW = 8
 KINDS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -55,6 +59,10 @@ def build_tiny_gemma3(folder: Path, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             p.normal_(0, 0.3 if "norm" in name else 0.15)
     model.save_pretrained(folder)
+    tok = build_tokenizer()
+    tok.chat_template = None  # a base model's tokenizer
+    assert len(tok) <= cfg.vocab_size
+    tok.save_pretrained(folder)
     return folder
 
 
@@ -250,3 +258,29 @@ def test_fetch_converts_a_checked_file(tmp_path: Path) -> None:
     digest = hashlib.sha256(b"chunk" * 4).hexdigest()
     fetch_gemma3(out, convert, download, sha256=digest)
     assert (out / "config.json").read_bytes() == b"chunk" * 4
+
+
+def test_engine_greedy_equals_hf(tiny: Path) -> None:
+    """The whole engine (scheduler, paged cache with windows, CPU kernels, sampler) on prompts
+    that run past the window, batched: HF's greedy tokens."""
+    llm = make_llm(tiny, exit_policy="none", kv_cache_memory=2**20)
+    prompts = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):"]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=16)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    hf = load_hf(tiny)
+    for out in outs:
+        assert len(out.prompt_token_ids) + 16 > WINDOW
+        assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 16)
+    spec = llm.generate(prompts, params, use_tqdm=False, exit_params=ExitParams(mode="speculative"))
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in outs]
+
+
+def test_chat_without_a_template_is_a_completion(tiny: Path) -> None:
+    """A base model's tokenizer has no chat template: the server (and so the playground) sends
+    the messages' text as a completion prompt instead of failing."""
+    llm = make_llm(tiny, exit_policy="none", kv_cache_memory=2**20)
+    body = {"messages": [{"role": "user", "content": "One two three"}], "max_tokens": 4}
+    with TestClient(create_app(llm.engine, model_names=["tiny"])) as client:
+        r = client.post("/v1/chat/completions", json={**body, "model": "tiny"})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(llm.tokenizer("One two three").input_ids)

@@ -3,7 +3,9 @@
 Contract: ``parse_body(kind, body)`` validates a decoded JSON body against the strict request
 models of ``protocol.py`` (the batch reader's path; FastAPI validates the server's bodies with the
 same models) and ``describe_validation_errors`` turns pydantic's errors into the one OpenAI error
-both report. ``prepare(info, req, kind)`` checks the model name (404), tokenizes, builds one
+both report. ``prepare(info, req, kind)`` checks the model name (404), tokenizes (chat messages
+with the tokenizer's chat template; for a base model without one, their texts joined by newlines
+as a completion prompt), builds one
 ``ChoiceSpec`` per (prompt, choice) with ``SamplingParams`` (choice ``i`` of ``n`` gets
 ``seed + i``) and the request's ``ExitParams``. ``engine_refusal`` maps what the engine says
 when it refuses a request (a prompt longer than the context, exit parameters the model's exits
@@ -246,9 +248,13 @@ def chat_specs(info: ModelInfo, req: ChatCompletionRequest) -> tuple[list[Choice
         for m in req.messages
     ]
     try:
-        out = info.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
+        if getattr(info.tokenizer, "chat_template", None) is None:
+            # A base model (no template): the messages' texts, one per line, as a completion.
+            out = info.tokenizer("\n".join(m["content"] for m in messages)).input_ids
+        else:
+            out = info.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
     except Exception as e:  # a template may raise anything (jinja errors, its own checks)
         raise ApiError(
             400, f"the chat template rejected the messages: {e}", param="messages"
