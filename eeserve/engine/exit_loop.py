@@ -1,12 +1,12 @@
 """The layer loop with early exits: the model runner's half that decides depth row by row.
 
 Contract: ``ExitLoop.run(h0, rot0, meta0, batch)`` steps the decoder layers over a pass whose rows
-may leave early (``ExitBatch``, ``engine.exit_state``). Per layer j it first writes the ``fill``
-K/V of every row that left below j (one batched projection), boards the owed positions whose
-layers start at j, runs the layer, then checks: a sampled row whose plan has an exit at j is
-measured and leaves when the batch policy says so, taking its token from that exit's head; a
-replayed row leaves at its known depth. Rows that leave owe their deep layers (``recompute``,
-speculative drafts) or have them filled. ``layer`` exit heads check exit l inside layer l + 1,
+may leave early (``ExitBatch``, ``engine.exit_state``). It runs the layers in runs between
+events: at a layer j where owed positions start, they board; after a check layer, a sampled row
+whose plan has an exit there is measured and leaves when the batch policy says so, taking its
+token from that exit's head, and a replayed row leaves at its known depth. Rows that leave owe
+their deep layers (``recompute``, speculative drafts) or have them filled: their K/V for every
+layer above are written at once, before the next layer runs. ``layer`` exit heads check exit l inside layer l + 1,
 between its attention and MLP halves. The step ends with one LM-head pass for every row that
 still needs logits. Why each rule is as it is: docs/design.md ("Exits inside a pass").
 """
@@ -87,25 +87,31 @@ class ExitLoop:
         # Layer heads check exit l inside layer l + 1 (``inside``); otherwise after layer l.
         inside = {lay + 1 for lay in plan_layers} if self.layer_heads else set()
         checks = forced if self.layer_heads else plan_layers | forced
-        for j, layer in enumerate(self.model.layers, start=1):
-            self._pay_fill(st, j, layer, rot0, meta0)
+        ends = self._span_ends(b, checks, inside, num_layers)
+        j = 1
+        while j <= num_layers:
             if st.board(b, j):
                 rot, meta = st.running.reindexed(rot0, meta0)
-            if not st.running.rows:
-                continue
+            if not st.running.rows:  # nobody boards later: passengers follow a running row
+                break
             h_prev: torch.Tensor | None = None
-            moved = False
             if j in inside:
-                moved = self._split_layer(j, layer, rot, meta, st, b)
+                end = j
+                moved = self._split_layer(j, self.model.layers[j - 1], rot, meta, st, b)
             else:
+                # The layers up to the next event run in one call (one kernel call per layer).
+                end = min(e for e in ends if e >= j)
                 h_prev = st.running.h
-                st.running.h = self.stack.run(st.running.h, rot, meta, j - 1, j)
-                st.layers_run += len(st.running.rows)
-            st.layer_passes += 1
-            if j in checks and j < num_layers and st.running.rows:
-                moved |= self._stop(j, h_prev, st, b)
+                st.running.h = self.stack.run(st.running.h, rot, meta, j - 1, end)
+                st.layers_run += len(st.running.rows) * (end - j + 1)
+                moved = False
+            st.layer_passes += end - j + 1
+            if end in checks and end < num_layers and st.running.rows:
+                moved |= self._stop(end, h_prev, st, b)
+            self._pay_fill(st, end + 1, rot0, meta0)
             if moved and st.running.rows:
                 rot, meta = st.running.reindexed(rot0, meta0)
+            j = end + 1
         logits = self._finish(st, b)
         return ExitResult(
             logits,
@@ -117,15 +123,29 @@ class ExitLoop:
             st.layer_passes,
         )
 
-    def _pay_fill(
-        self, st: PassState, j: int, layer: LlamaDecoderLayer, rot0: Rotary, meta0: AttnMeta
-    ) -> None:
-        """``fill``: layer j's K/V of every row that left below it, before anything reads them."""
-        if st.fill.h is None:
+    @staticmethod
+    def _span_ends(b: ExitBatch, checks: set[int], inside: set[int], num_layers: int) -> set[int]:
+        """Layers after which a run of layers stops: checks, the layer before a split layer or
+        a boarding, and (``hidden_cosine``, which compares a check layer's input with its
+        output) the layer before a check."""
+        ends = {num_layers, *checks, *(j - 1 for j in inside)}
+        ends |= {p.join_layer - 1 for p in b.passengers.values()}
+        if any(p is not None and p.measure == "hidden_cosine" for p in b.plans):
+            ends |= {c - 1 for c in checks}
+        return {e for e in ends if e >= 1}
+
+    def _pay_fill(self, st: PassState, first: int, rot0: Rotary, meta0: AttnMeta) -> None:
+        """``fill``: the K/V of layers ``first``.. of the rows that just left, written before
+        any layer above runs (so before anything reads them)."""
+        if st.filled is None:
             return
-        rows = torch.tensor(st.fill.rows, dtype=torch.long, device=st.fill.h.device)
-        k, v = layer.kv_from_hidden(st.fill.h, rot0.select(rows))
-        self.kv.write(j - 1, meta0.slot_mapping[rows], k, v)
+        rows_list, h = st.filled
+        st.filled = None
+        rows = torch.tensor(rows_list, dtype=torch.long, device=h.device)
+        rot, slots = rot0.select(rows), meta0.slot_mapping[rows]
+        for j, layer in enumerate(self.model.layers[first - 1 :], start=first):
+            k, v = layer.kv_from_hidden(h, rot)
+            self.kv.write(j - 1, slots, k, v)
 
     def _split_layer(
         self,
@@ -150,7 +170,8 @@ class ExitLoop:
 
     def _stop(self, j: int, h_prev: torch.Tensor | None, st: PassState, b: ExitBatch) -> bool:
         """After layer ``j``: replayed rows at their depth and (without layer heads) the rows
-        whose check lets them go leave. True when any did."""
+        whose check lets them go leave. True when any did. ``h_prev``: the input of the layers
+        run last (layer j's own where ``hidden_cosine`` checks)."""
         leave = {i for i, r in enumerate(st.running.rows) if b.forced_depth.get(r) == j}
         if not self.layer_heads:
             assert h_prev is not None

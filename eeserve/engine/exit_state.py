@@ -5,8 +5,9 @@ every row runs to full depth): per sequence its exit plan, per row a forced dept
 exit) or a ``Passenger`` (an owed position joining at the layer above its exit). During the
 pass, ``PassState`` holds the explicit per-row state the exit loop (``engine.exit_loop``) reads
 and changes through its methods: the running rows and their hidden states (``Running``), each
-sequence's exit (``SeqExit``), the rows whose K/V ``fill`` writes layer by layer (``Fill``),
-and the positions still owed. ``ExitResult`` is what the pass returns.
+sequence's exit (``SeqExit``), the rows that just left under ``fill`` (whose K/V the loop
+writes for every layer above at once) and the positions still owed. ``ExitResult`` is what the
+pass returns.
 """
 
 from __future__ import annotations
@@ -155,26 +156,15 @@ class Running:
 
 
 @dataclass
-class Fill:
-    """Rows that left under ``fill``: their exit hidden states, whose K/V every layer above is
-    computed from (that layer's input norm, K/V projection, rotary) before the layer runs."""
-
-    rows: list[int] = field(default_factory=list)
-    h: torch.Tensor | None = None  # [E, D]
-
-    def add(self, rows: list[int], h: torch.Tensor) -> None:
-        self.rows += rows
-        self.h = h if self.h is None else torch.cat([self.h, h])
-
-
-@dataclass
 class PassState:
     """Everything the exit loop changes during one pass."""
 
     running: Running
     exits: list[SeqExit]  # per sequence
     debts: list[Owed]  # per sequence
-    fill: Fill = field(default_factory=Fill)
+    # Rows that left under ``fill`` in the last ``leave``: ids and exit hidden states [E, D];
+    # the loop writes their K/V for every layer above before running another layer.
+    filled: tuple[list[int], torch.Tensor] | None = None
     layers_run: int = 0
     layer_passes: int = 0
     verify_logits: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -218,7 +208,10 @@ class PassState:
         owe = [k for k, r in enumerate(left) if b.owes(r)]
         filled = [k for k in range(len(idx)) if k not in set(owe)]
         if filled:
-            self.fill.add([left[k] for k in filled], take_rows(h_left, filled))
+            rows_f, h_f = [left[k] for k in filled], take_rows(h_left, filled)
+            if self.filled is not None:  # two leaves after one layer (a check, then replays)
+                rows_f, h_f = self.filled[0] + rows_f, torch.cat([self.filled[1], h_f])
+            self.filled = (rows_f, h_f)
         for k in owe:
             r = left[k]
             if r in b.passengers:

@@ -85,8 +85,8 @@ def add_shortlist_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("model", help="smollm2, smollm2-ee, an HF folder or a .gguf file")
     p.add_argument("--out", required=True, type=Path, help="the exit sidecar folder to write")
     p.add_argument("--size", type=int, default=DEFAULT_SIZE, help="token ids kept, ranked")
-    p.add_argument("--prompts", type=int, default=256, help="offline 'tune' prompts generated")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens per continuation")
+XX
+    p.add_argument("--max-tokens", type=int, default=192, help="tokens per continuation")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt set")
     add_engine_args(p.add_argument_group("engine options"))
     p.set_defaults(func=run_shortlist, exit_policy="none", kv_cache_memory=float(2**30))
