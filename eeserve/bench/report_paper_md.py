@@ -92,7 +92,7 @@ def paper_sweep_section(results: dict[str, Any], plot: str | None) -> str:
     batches = sorted({r["batch"] for r in sweep["full_depth"]})
     return "\n\n".join(
         [
-            "## 5. The paper's comparison: batch policies across thresholds\n\n"
+            "## The paper's comparison: batch policies across thresholds\n\n"
             "Full depth and each batch policy (KV debt `fill`) at each threshold, measured side "
             "by side in the same interleaved repeats. *speed*: decode tokens/s over full "
             "depth's. *ideal (pass)*: full depth's cost (L·layer + head) over the mean cost of "
