@@ -6,9 +6,10 @@ events: at a layer j where owed positions start, they board; after a check layer
 whose plan has an exit there is measured and leaves when the batch policy says so, taking its
 token from that exit's head, and a replayed row leaves at its known depth. Rows that leave owe
 their deep layers (``recompute``, speculative drafts) or have them filled: their K/V for every
-layer above are written at once, before the next layer runs. ``layer`` exit heads check exit l inside layer l + 1,
-between its attention and MLP halves. The step ends with one LM-head pass for every row that
-still needs logits. Why each rule is as it is: docs/design.md ("Exits inside a pass").
+layer above are written at once, before the next layer runs. ``layer`` exit heads check exit l
+inside layer l + 1, between its attention and MLP halves. The step ends with one LM-head pass
+for every row that still needs logits. Why each rule is as it is: docs/design.md ("Exits inside
+a pass").
 """
 
 from __future__ import annotations

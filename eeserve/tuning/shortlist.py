@@ -85,7 +85,7 @@ def add_shortlist_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("model", help="smollm2, smollm2-ee, an HF folder or a .gguf file")
     p.add_argument("--out", required=True, type=Path, help="the exit sidecar folder to write")
     p.add_argument("--size", type=int, default=DEFAULT_SIZE, help="token ids kept, ranked")
-XX
+    p.add_argument("--prompts", type=int, default=64, help="offline 'tune' prompts generated")
     p.add_argument("--max-tokens", type=int, default=192, help="tokens per continuation")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt set")
     add_engine_args(p.add_argument_group("engine options"))
