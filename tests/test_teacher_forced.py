@@ -35,16 +35,18 @@ from eeserve.tuning.teacher_forced import (
 from tests.tiny_model import make_llm, random_prompt
 
 LAYERS = [1, 2, 3]
-MEASURES = ["classifier", "softmax_margin", "max_prob", "hidden_cosine"]
+MEASURES = ["classifier", "softmax_margin", "max_prob", "hidden_cosine", "shortlist_margin"]
 
 
 @pytest.fixture(scope="module")
 def tuned(tiny_varied_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The varied tiny model with random tuned (linear adapter) heads and probes at 1, 2, 3."""
+    """The varied tiny model with random tuned (linear adapter) heads and probes at 1, 2, 3 and a
+    vocabulary shortlist."""
     folder = tmp_path_factory.mktemp("tf") / "tuned"
     shutil.copytree(tiny_varied_dir, folder)
     model, mcfg = load_model(folder, torch.float32, torch.device("cpu"))
     cfg = ExitConfig(mcfg.num_layers, LAYERS, head="tuned", adapter="linear", classifier=True)
+    cfg.shortlist = list(range(3, 67))  # the ``shortlist_*`` measures' vocabulary rows
     heads = init_heads(cfg, model)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -96,7 +98,9 @@ def test_full_depth_scores_are_the_models(tuned: Path, llm) -> None:  # type: ig
     torch.testing.assert_close(scores.full_logprob.float(), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("measure", ["classifier", "softmax_margin", "hidden_cosine"])
+@pytest.mark.parametrize(
+    "measure", ["classifier", "softmax_margin", "hidden_cosine", "shortlist_max_prob"]
+)
 def test_engine_exits_where_teacher_forcing_says(llm, measure: str) -> None:  # type: ignore[no-untyped-def]
     engine = llm.engine
     prompts = [random_prompt(12, 10 + s, engine.model_config.vocab_size) for s in range(3)]
