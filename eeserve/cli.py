@@ -17,7 +17,7 @@ from eeserve.engine.llm_engine import LLMEngine
 from eeserve.engine_args import add_engine_args, engine_config
 from eeserve.exit_params import ExitParams
 from eeserve.llm import chat_token_ids
-from eeserve.models.loader import fetch_default_model
+from eeserve.models.loader import resolve_model
 from eeserve.sampling_params import SamplingParams
 from eeserve.server import add_batch_parser, add_serve_parser
 from eeserve.tuning.calibrate import add_calibrate_parser
@@ -29,10 +29,13 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eeserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("fetch", help="download and convert the default model (once)")
+    f = sub.add_parser("fetch", help="download and convert a named model (once)")
+    f.add_argument("--model", default="smollm2", help="smollm2 or gemma3-270m")
 
     g = sub.add_parser("generate", help="generate text, streamed to the terminal")
-    g.add_argument("--model", default="smollm2", help="smollm2, an HF folder or a .gguf file")
+    g.add_argument(
+        "--model", default="smollm2", help="smollm2, gemma3-270m, an HF folder or a .gguf file"
+    )
     add_engine_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "fetch":
-        print(fetch_default_model())
+        print(resolve_model(args.model))
         return 0
     if args.command == "generate":
         return _generate(args)
