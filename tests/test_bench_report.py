@@ -286,6 +286,8 @@ def test_paper_section_markdown_and_plot(paper: tuple[Path, dict[str, Any]]) -> 
     assert data.startswith(PNG_MAGIC) and len(data) > 5000
     cmd = r["meta"]["canonical_command"]
     assert "--sections paper" in cmd and "--paper-thresholds 1.01,0.05" in cmd
+    # What tests/test_docs.py asks of a result file under bench/results/.
+    assert all(r["provenance"][k] for k in ("commit", "date", "machine", "command"))
 
 
 def test_paper_thresholds_flag() -> None:

@@ -99,6 +99,15 @@ def run_report(cfg: ReportConfig) -> dict[str, Any]:
         "load_average": {"start": load_start, "end": _load_average()},
         "wall_s": {"setup and warm-up": t1 - t0, "measuring": t2 - t1, "total": t2 - t0},
     }
+    meta = results["meta"]
+    # What a file under bench/results/ must state (tests/test_docs.py).
+    results["provenance"] = {
+        "commit": meta["git_revision"],
+        "date": started,
+        "machine": meta["machine"],
+        "command": meta["command"],
+        "all_options": meta["canonical_command"],
+    }
     return results
 
 
