@@ -11,10 +11,11 @@ request has ended and the server is idle, and samples the server meanwhile (``so
 The mix: ``--long-share`` of ~1.5k-token prompts (``--long-chars``), the rest short;
 ``--stream-share`` streamed; ``--disconnect-share`` of clients that hang up early on purpose;
 every request asks for ``--max-tokens`` tokens (ignore_eos). It writes
-``<out-dir>/<label>.json`` (provenance: commit, date, machine, the exact command; capacity;
-per-interval records; per-load summaries; the checks of ``soak_report.checks``) and
-``<label>.png`` (``soak_plots``), prints the summaries and returns 0, or 1 when a request failed
-or hung or the server went down. Only the given base URL (default: loopback) is contacted.
+``<out-dir>/<label>.json`` (``provenance``: commit, date, machine, the exact command; capacity;
+the server's admission limits; per-interval records; per-load summaries; the checks of
+``soak_report.checks``) and ``<label>.png`` (``soak_plots``), prints the summaries and returns
+0, or 1 when a request failed or hung or the server went down. Only the given base URL
+(default: loopback) is contacted.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -41,7 +43,15 @@ from typing import Any
 import httpx
 
 from eeserve.bench.arrivals import long_prompt_texts
-from eeserve.bench.soak_load import Mix, Outcome, Sampler, closed_loop, open_loop, send
+from eeserve.bench.soak_load import (
+    Mix,
+    Outcome,
+    Sampler,
+    closed_loop,
+    open_loop,
+    read_limits,
+    send,
+)
 from eeserve.bench.soak_plots import plot_soak
 from eeserve.bench.soak_report import Phase, checks, intervals, summarize_phase
 from eeserve.tuning.prompts import prompt_texts
@@ -96,7 +106,7 @@ def run_soak(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     label = args.label or _label(args, durations)
-    result["title"] = f"{label}: {result['command']}"
+    result["title"] = f"{label}: {result['provenance']['command']}"
     path = out_dir / f"{label}.json"
     path.write_text(json.dumps(result, indent=1))
     plot_soak(result, out_dir / f"{label}.png")
@@ -118,15 +128,15 @@ async def _soak(
 ) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     hard = args.request_timeout + 120  # past the server's own limit: the request hangs
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(
-        base_url=base, headers=headers, timeout=hard, limits=limits
-    ) as client:
+    pool = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    client = httpx.AsyncClient(base_url=base, headers=headers, timeout=hard, limits=pool)
+    async with client:
         mix = _mix(args)
         t0 = time.perf_counter()
         sampler = Sampler(client, pid, t0)
         for warm in (mix.draw(disconnects=False) for _ in range(2)):
             await send(client, warm, t0, hard)
+        limits = read_limits((await client.get("/metrics")).text)
         capacity, cap_outs = await _capacity(args, client, mix, t0, hard)
         sampler_task = asyncio.create_task(sampler.run(args.sample_every))
         phases: list[Phase] = []
@@ -147,9 +157,9 @@ async def _soak(
     warmup = min(args.interval, 0.2 * min(durations))
     summaries = [summarize_phase(p, outcomes, sampler.samples, warmup) for p in phases]
     return {
-        "command": shlex.join(["eeserve", *sys.argv[1:]]),
         "provenance": _provenance(),
         "config": {**_config(args), "interval_s": args.interval, "warmup_s": warmup},
+        "admission_limits": limits,
         "capacity": {
             "requests_per_s": capacity,
             "measured": args.capacity is None,
@@ -233,9 +243,10 @@ def _provenance() -> dict[str, Any]:
                 cpu = line.split(":", 1)[1].strip()
                 break
     return {
+        "command": shlex.join(["eeserve", *sys.argv[1:]]),
         "commit": git("rev-parse", "HEAD"),
         "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {
             "host": platform.node(),
             "platform": platform.platform(),
@@ -282,7 +293,11 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     cmd += shlex.split(args.server_args)
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    with tempfile.NamedTemporaryFile(
+        "w+b", prefix="eeserve-soak-", suffix=".log", delete=False
+    ) as log:
+        print(f"server: {shlex.join(cmd)} (log: {log.name})", flush=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://{HOST}:{port}"
     try:
         _wait_healthy(base, proc)

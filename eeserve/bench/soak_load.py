@@ -6,11 +6,11 @@ served from another's prefix cache. ``send(client, req, t0, hard_timeout)`` runs
 its ``Outcome``: ``completed``, ``rejected`` (429, with its latency and ``Retry-After``),
 ``deadline`` (504 or a stream's ``deadline_exceeded`` event), ``disconnected`` (planned),
 ``failed`` (any other answer) or ``hung`` (no answer within ``hard_timeout``). ``open_loop``
-starts requests at Poisson arrival times at a given rate for a given time and waits for them
-all; ``closed_loop`` keeps ``concurrency`` requests in flight for a given time (the capacity
-measurement). ``Sampler`` reads, every few seconds, the RSS of the server's process tree from
-``/proc`` and the KV-block and queue gauges from ``/metrics`` (summed over replicas).
-Times are ``time.perf_counter()`` seconds since the run's ``t0``.
+starts requests at Poisson arrival times at a given rate for a given time and, once that time
+has passed, waits for them all; ``closed_loop`` keeps ``concurrency`` requests in flight for a
+given time (the capacity measurement). ``Sampler`` reads, every few seconds, the RSS of the
+server's process tree from ``/proc`` and the KV-block and queue gauges from ``/metrics``
+(summed over replicas). Times are ``time.perf_counter()`` seconds since the run's ``t0``.
 """
 
 from __future__ import annotations
@@ -174,6 +174,7 @@ async def open_loop(
         await asyncio.sleep(max(0.0, begin + at - time.perf_counter()))
         tasks.append(asyncio.create_task(send(client, mix.draw(), t0, hard_timeout)))
         at += mix.rng.expovariate(rate)
+    await asyncio.sleep(max(0.0, begin + duration - time.perf_counter()))
     return list(await asyncio.gather(*tasks))
 
 
@@ -220,16 +221,27 @@ class Sample:
 
 
 def read_gauges(text: str) -> tuple[dict[str, float], list[int]]:
-    """Gauges summed over replicas, and the replicas' pids (``eeserve_replica_info``)."""
+    """Every sample summed by name (over replicas, and over labels: read unlabelled gauges
+    only), and the replicas' pids (``eeserve_replica_info``)."""
     sums: dict[str, float] = {}
     pids: list[int] = []
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == "eeserve_replica_info":
                 pids.append(int(s.labels["pid"]))
-            elif not s.labels:
+            else:  # replicas label every sample with its replica
                 sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
     return sums, pids
+
+
+def read_limits(text: str) -> dict[str, float]:
+    """The admission limits a server (its first replica) reports (``eeserve_admission_limit``)."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "eeserve_admission_limit":
+                out.setdefault(s.labels["limit"], float(s.value))
+    return out
 
 
 def rss_mib(pid: int) -> float | None:

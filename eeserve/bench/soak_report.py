@@ -107,7 +107,19 @@ def summarize_phase(
         "kv_blocks_used_idle_max": max(idle) if idle else None,
         "kv_blocks_used_after_drain": phase.idle_kv_blocks,
         "drain_s": phase.drained_at - phase.end,
+        "errors": _errors(outs),
     }
+
+
+def _errors(outs: list[Outcome], most: int = 8) -> dict[str, int]:
+    """What failed, hung or hit its deadline said, by message (the first ``most`` messages)."""
+    counts: dict[str, int] = {}
+    for o in outs:
+        if o.status in ("failed", "hung", "deadline") and o.error:
+            key = f"{o.status}: {o.error[:160]}"
+            if key in counts or len(counts) < most:
+                counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _first(samples: list[Sample], key: str) -> float | None:
