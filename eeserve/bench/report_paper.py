@@ -131,8 +131,9 @@ def paper_blocks(run: ReportRun) -> list[Block]:
 
 def paper_warm_up(run: ReportRun) -> None:
     m, t = settings(run)[-1]
+    prompts = run.prompts[: min(2, max(run.batch_sizes))]  # the KV pool holds the largest batch
     for engine in run.paper_engines.values():
-        counted_run(engine, run.prompts[:2], 4, ExitParams(threshold=t, measure=m))
+        counted_run(engine, prompts, 4, ExitParams(threshold=t, measure=m))
 
 
 # -- teacher-forced quality ---------------------------------------------------------------------
