@@ -97,8 +97,9 @@ def self_generated(
 ) -> list[Group]:
     """At least ``tokens`` trained positions of the model's own greedy and sampled output.
 
-    Each prompt (even ones in the chat template, odd ones plain) is continued once greedily and
-    once sampled; rounds of at most ``batch`` prompts, sized to what is still missing.
+    Each prompt (even ones in the chat template when the tokenizer has one, odd ones plain) is
+    continued once greedily and once sampled; rounds of at most ``batch`` prompts, sized to what
+    is still missing.
     """
     groups: list[Group] = []
     bar = tqdm(total=tokens, desc=f"generate ({split})", unit="tok")
@@ -111,7 +112,8 @@ def self_generated(
         prompts: list[list[int]] = []
         for i, text in enumerate(texts, start=first):
             msg = [{"role": "user", "content": text}]
-            ids = chat_token_ids(llm.tokenizer, msg) if i % 2 == 0 else llm.engine.tokenize(text)
+            chat = i % 2 == 0 and llm.tokenizer.chat_template is not None  # base models: none
+            ids = chat_token_ids(llm.tokenizer, msg) if chat else llm.engine.tokenize(text)
             prompts.append(ids[-room:])
         params = [SamplingParams(max_tokens=max_tokens, temperature=0.0) for _ in prompts]
         params += [
