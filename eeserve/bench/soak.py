@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
-import platform
 import random
 import shlex
 import signal
@@ -43,6 +41,7 @@ from typing import Any
 import httpx
 
 from eeserve.bench.arrivals import long_prompt_texts
+from eeserve.bench.measure import provenance
 from eeserve.bench.soak_load import (
     Mix,
     Outcome,
@@ -228,34 +227,8 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _provenance() -> dict[str, Any]:
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(
-                ["git", *cmd], capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "unknown"
-
-    cpu = "unknown"
-    with suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "command": shlex.join(["eeserve", *sys.argv[1:]]),
-        "commit": git("rev-parse", "HEAD"),
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "host": platform.node(),
-            "platform": platform.platform(),
-            "cpu": cpu,
-            "cpus": os.cpu_count(),
-            "load_avg_at_end": os.getloadavg(),
-        },
-        "python": platform.python_version(),
-    }
+    """``bench.measure.provenance`` and what else says how quiet the machine was."""
+    return {**provenance(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()}
 
 
 def format_summaries(result: dict[str, Any]) -> str:
