@@ -275,13 +275,12 @@ class ReportRun:
 
     def warm_up(self) -> None:
         measure, threshold, _ = self.op
+        prompts = self.prompts[: min(2, max(self.batch_sizes))]  # the KV pool's largest batch
         for engine in self.engines.values():
-            run_engine(engine, self.prompts[:2], 4, ExitParams(enabled=False))
-            run_engine(
-                engine, self.prompts[:2], 4, ExitParams(threshold=threshold, measure=measure)
-            )
+            run_engine(engine, prompts, 4, ExitParams(enabled=False))
+            run_engine(engine, prompts, 4, ExitParams(threshold=threshold, measure=measure))
         if self.hf is not None:
-            run_hf(self.hf, self.prompts[:2], 4, self.pad, self.device)
+            run_hf(self.hf, prompts, 4, self.pad, self.device)
 
     def blocks(self) -> list[Block]:
         """One block per batch size (full depth, early exit per engine, HF), then the frontier."""
