@@ -21,10 +21,11 @@ from eeserve.kernels import native
 from eeserve.kernels.packing import pack_for_cpu, use_native_ops
 from eeserve.kernels.quant import quantize_model
 from eeserve.models.config import ModelConfig, rope_tables
+from eeserve.models.exit_heads import load_sidecar
 from eeserve.models.fetch import fetch_gemma3, gemma3_requirements
 from eeserve.models.gemma3 import Gemma3ForCausalLM
 from eeserve.models.llama import LlamaForCausalLM, Rotary
-from eeserve.models.loader import load_model, read_config
+from eeserve.models.loader import load_model, packaged_sidecar, read_config, resolve_model
 from eeserve.server.app import create_app
 from tests.tiny_model import build_tokenizer, hf_greedy, load_hf, make_llm
 
@@ -120,6 +121,41 @@ def test_config_reads_gemma3(tiny: Path) -> None:
     cos, _ = rope_tables(cfg, 16)
     assert cos.shape == (16, 2 * cfg.head_dim)
     assert not torch.equal(cos[:, : cfg.head_dim], cos[:, cfg.head_dim :])
+
+
+def test_config_of_earlier_writers() -> None:
+    """Configs without ``layer_types`` / per-type RoPE (``rope_local_base_freq`` and a pattern)
+    give the same layout: every sixth layer global."""
+    raw = {
+        "architectures": ["Gemma3ForCausalLM"], "vocab_size": 320, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 7, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 32, "sliding_window": 16, "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4, "sliding_window_pattern": 6, "tie_word_embeddings": True,
+    }  # fmt: skip
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.layer_windows() == (16, 16, 16, 16, 16, None, 16)
+    assert (cfg.rope_theta, cfg.local_rope_theta) == (1e6, 1e4)
+    assert cfg.query_pre_attn_scalar == 32 and cfg.hidden_activation == "gelu_pytorch_tanh"
+
+
+def test_named_model_is_fetched_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gemma3-270m`` resolves to its folder under EESERVE_HOME; present, nothing is fetched."""
+    monkeypatch.setenv("EESERVE_HOME", str(tmp_path))
+    folder = tmp_path / "models" / "gemma3-270m"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    assert resolve_model("gemma3-270m") == folder
+
+
+def test_packaged_exit_config_is_speculative_with_int8_drafts() -> None:
+    sidecar = packaged_sidecar("gemma3-270m")
+    assert sidecar is not None
+    found = load_sidecar(sidecar)
+    assert found is not None
+    cfg, _ = found
+    assert cfg.num_layers == 18 and cfg.enabled_by_default
+    assert (cfg.default_mode, cfg.default_draft) == ("speculative", "int8")
+    assert 0 < cfg.draft_vocab <= 262144
 
 
 def test_soft_capping_is_refused(tiny: Path) -> None:
