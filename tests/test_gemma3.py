@@ -185,6 +185,40 @@ def test_paged_forward_matches_hf(tiny: Path, use_native: bool, chunks: list[int
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.parametrize("use_native", [False, True])
+def test_mixed_pass_matches_hf(tiny: Path, use_native: bool) -> None:
+    """One pass holding a decode row past the window (sequence A) and a whole 12-token prompt
+    (sequence B): each equals HF on its own sequence."""
+    ops = native.load() if use_native else None
+    if use_native and ops is None:
+        pytest.skip("CPU kernels unavailable")
+    gen = torch.Generator().manual_seed(4)
+    a, b = torch.randint(0, 320, (13,), generator=gen), torch.randint(0, 320, (12,), generator=gen)
+    model, cfg = load_model(tiny, torch.float32, torch.device("cpu"))
+    if ops is not None:
+        use_native_ops(model, ops)
+        pack_for_cpu(model, ops)
+    kv = paged_cache(cfg, ops)
+    run_paged(model, kv, a[:12], [12])  # A's prompt, at slots 5..16
+    cos, sin = rope_tables(cfg, 128)
+    a_slots, b_slots = torch.arange(13) + 5, torch.arange(12) + 32
+    spans = [
+        SeqSpan([0], [12], a_slots, fresh=False),
+        SeqSpan(list(range(1, 13)), list(range(12)), b_slots, fresh=True),
+    ]
+    slot_mapping = torch.cat((a_slots[12:], b_slots))
+    meta = AttnMeta.build(spans, slot_mapping, max_rows=kv.rowwise_max_rows)
+    pos = [12, *range(12)]
+    rot = Rotary(cos[pos], sin[pos])
+    with torch.inference_mode():
+        h = model.embed(torch.cat((a[12:], b)))
+        for layer in model.layers:
+            h = layer(h, rot, partial(kv.attend, meta=meta))
+        logits = model.lm_head(model.final_norm(h))
+    torch.testing.assert_close(logits[0], hf_logits(tiny, a)[12], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1:], hf_logits(tiny, b), atol=2e-4, rtol=1e-4)
+
+
 def test_window_changes_the_logits(tiny: Path) -> None:
     """The window matters on this model: full attention everywhere gives other logits past it."""
     ids = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(1))
