@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import random
 import shlex
@@ -94,6 +95,7 @@ def add_soak_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_soak(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     loads = [float(x) for x in args.loads.split(",")]
     durations = [float(x) for x in args.duration.split(",")]
     if len(durations) == 1:
