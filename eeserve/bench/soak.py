@@ -2,20 +2,19 @@
 
 Contract: ``run_soak(args)`` starts ``python -m eeserve.server MODEL`` on a free loopback port
 (``--replicas N``: N Ray Serve replicas; or benchmarks ``--base-url`` as it is), warms it up and
-measures its capacity: the completion rate of a closed loop of ``--capacity-concurrency``
-clients sending the request mix for ``--capacity-duration`` seconds, counted after the first
-fifth of that time (or takes ``--capacity`` requests/s as given). Then, for each ``--loads``
-multiple, it sends the mix open-loop (Poisson arrivals at multiple x capacity, whatever the
-server answers) for ``--duration`` seconds (one value, or one per load), waits until every
-request has ended and the server is idle, and samples the server meanwhile (``soak_load``).
-The mix: ``--long-share`` of ~1.5k-token prompts (``--long-chars``), the rest short;
-``--stream-share`` streamed; ``--disconnect-share`` of clients that hang up early on purpose;
-every request asks for ``--max-tokens`` tokens (ignore_eos). It writes
-``<out-dir>/<label>.json`` (``provenance``: commit, date, machine, the exact command; capacity;
-the server's admission limits; per-interval records; per-load summaries; the checks of
-``soak_report.checks``) and ``<label>.png`` (``soak_plots``), prints the summaries and returns
-0, or 1 when a request failed or hung or the server went down. Only the given base URL
-(default: loopback) is contacted.
+measures its capacity: the completion rate of a closed loop of ``--capacity-concurrency`` clients
+sending the request mix for ``--capacity-duration`` seconds (completed requests over the time from
+its start to the last completion; or takes ``--capacity`` requests/s as given). Then, for each
+``--loads`` multiple, it sends the mix open-loop (Poisson arrivals at multiple x capacity, whatever
+the server answers) for ``--duration`` seconds (one value, or one per load), waits until every
+request has ended and the server is idle, and samples the server meanwhile (``soak_load``). The mix:
+``--long-share`` of ~1.5k-token prompts (``--long-chars``), the rest short; ``--stream-share``
+streamed; ``--disconnect-share`` of clients that hang up early on purpose; every request asks for
+``--max-tokens`` tokens (ignore_eos). It writes ``<out-dir>/<label>.json`` (``provenance``: commit,
+date, machine, the exact command; capacity; the server's admission limits; per-interval records;
+per-load summaries; the checks of ``soak_report.checks``) and ``<label>.png`` (``soak_plots``),
+prints the summaries and returns 0, or 1 when a request failed or hung or the server went down. Only
+the given base URL (default: loopback) is contacted.
 """
 
 from __future__ import annotations
@@ -200,12 +199,12 @@ async def _capacity(
     outs = await closed_loop(
         client, mix, args.capacity_concurrency, args.capacity_duration, t0, hard
     )
-    counted_from = start + 0.2 * args.capacity_duration  # the loop fills up first
-    end = start + args.capacity_duration
-    done = [o for o in outs if o.status == "completed" and counted_from <= o.ended <= end]
+    done = [o for o in outs if o.status == "completed"]
     if not done:
         raise RuntimeError(f"no request completed while measuring capacity: {_counts(outs)}")
-    rate = len(done) / (end - counted_from)
+    # The requests in flight when the loop stops run to their end and count: a window that
+    # counted only completions inside it would miss every request longer than the window.
+    rate = len(done) / (max(o.ended for o in done) - start)
     print(f"capacity: {rate:.3f} requests/s ({_counts(outs)})", flush=True)
     return rate, outs
 
