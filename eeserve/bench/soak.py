@@ -228,8 +228,12 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _provenance() -> dict[str, Any]:
-    """``bench.measure.provenance`` and what else says how quiet the machine was."""
-    return {**provenance(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()}
+    """``bench.measure.provenance`` and what else says how quiet the machine was; a thread
+    count set in the environment (the server inherits it) goes in front of the command."""
+    prov = {**provenance(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()}
+    env = [f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS",) if k in os.environ]
+    prov["command"] = " ".join([*env, prov["command"]])
+    return prov
 
 
 def format_summaries(result: dict[str, Any]) -> str:
