@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from eeserve.cli import main as cli_main
+from eeserve.engine.layer_cost import LayerCost
 from eeserve.engine.plan import calibrated_threshold, resolve_exit_plan
 from eeserve.exit_params import ExitParams
 from eeserve.models.exit_config import ExitConfig
@@ -271,6 +272,21 @@ def test_engine_exits_with_the_calibrated_threshold(calibrated: Path) -> None:
         assert plan is not None and set(plan.thresholds.values()) == {chosen}
     with pytest.raises(ValueError, match="no calibration for tolerance"):
         llm.generate(texts[:1], sp, use_tqdm=False, exit_params=ExitParams(tolerance=DELTA / 2))
+
+
+def test_auto_engines_use_per_sequence_calibrations_row_by_row(calibrated: Path) -> None:
+    """Under ``auto`` (no calibration of its own) a tolerance takes ``per_sequence``'s threshold
+    and its rows leave as they would there, even where ``auto`` would hold them."""
+    per = make_llm(calibrated, exit_policy="per_sequence")
+    auto = make_llm(calibrated, exit_policy="auto")
+    # A layer that costs the same with fewer rows: ``auto`` alone would keep every row running.
+    auto.engine.runner.exit_loop.cost = LayerCost((1, 64), (1.0, 1.0), (0.1, 0.1))
+    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    texts = (calibrated.parent / "prompts.txt").read_text().splitlines()
+    want = per.generate(texts, sp, use_tqdm=False, exit_params=ExitParams(tolerance=DELTA))
+    got = auto.generate(texts, sp, use_tqdm=False, exit_params=ExitParams(tolerance=DELTA))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].exit_layers for o in got] == [o.outputs[0].exit_layers for o in want]
 
 
 def test_server_passes_tolerance_through(calibrated: Path) -> None:

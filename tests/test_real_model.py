@@ -116,7 +116,8 @@ def test_default_sidecar_exits_early_at_its_calibrated_default(real: Real) -> No
     config's default mode and draft): full depth's tokens. Exit mode uses the packaged tuned heads
     and the threshold calibrated for delta 0.05 / epsilon 0.05; a tolerance of 0.05 (an exit
     rule, so exit mode without naming it) picks the same threshold."""
-    llm = make_llm("smollm2", kv_cache_memory=64 * 2**20)
+    # The policy the packaged threshold was calibrated under.
+    llm = make_llm("smollm2", kv_cache_memory=64 * 2**20, exit_policy="per_sequence")
     cfg = llm.engine.exit_config
     cal = [c for c in cfg.calibration if c["delta"] == 0.05 and c["epsilon"] == 0.05]
     assert cfg.head == "tuned" and cfg.enabled_by_default and cal

@@ -205,7 +205,7 @@ class ExitLoop:
         # ``recompute`` pays a leaving row's layers in a later pass: leaving early saves nothing.
         cost, running = self.cost, len(rows)
         shrink = (lambda m: cost.shrink_pays(running, m)) if cost is not None and b.fill else None
-        eager = [s in b.speculative for s in seqs]
+        eager = [s in b.speculative or p.eager for s, p in zip(seqs, plans)]
         go = decide(b.policy, ok, marked, len(checked) == sampled, shrink, eager)
         for s, m in zip(seqs, marked):
             st.exits[s].marked = m

@@ -22,6 +22,9 @@ class ExitPlan:
     thresholds: dict[int, float]  # 1-based exit layer -> threshold
     mode: str = "exit"  # "speculative": an exit drafts, the layers above verify
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    # The row leaves at its own first confident exit whatever the ``auto`` policy would do: its
+    # threshold was calibrated under ``per_sequence``, whose guarantee holds for such a row.
+    eager: bool = False
 
     @property
     def layers(self) -> list[int]:
@@ -65,8 +68,14 @@ def resolve_exit_plan(
         if missing:
             raise ValueError(f"no tuned exit head at layers {missing}; available {cfg.exit_layers}")
     threshold = params.threshold
+    eager = False
     if params.tolerance is not None:
-        threshold = calibrated_threshold(cfg, params.tolerance, measure, policy)
+        # ``auto`` has no calibration of its own (its decisions follow the machine's layer
+        # cost): its rows use ``per_sequence``'s and leave as they would there.
+        eager = policy == "auto"
+        threshold = calibrated_threshold(
+            cfg, params.tolerance, measure, "per_sequence" if eager else policy
+        )
     if threshold is None:
         threshold = cfg.thresholds.get(measure)
     if threshold is None:
@@ -86,6 +95,7 @@ def resolve_exit_plan(
         {lay: t for lay, t in per_layer.items() if lay >= params.min_layer},
         mode,
         num_drafts,
+        eager,
     )
 
 

@@ -7,7 +7,8 @@ Contract: ``decide`` applies the engine's policy to the rows checked at one exit
 - ``auto``: rows are marked as with ``batch_all``; all stop where all are marked, and before
   that the marked rows leave when ``shrink_pays`` (the layer cost model,
   ``engine.layer_cost``) says that the layers above cost less without them than with them.
-  ``eager`` rows (speculative drafts) leave whenever confident, as with ``per_sequence``.
+  ``eager`` rows (speculative drafts, and rows whose threshold was calibrated under
+  ``per_sequence``) leave whenever confident, as with ``per_sequence``.
 Why each policy wins where it does: docs/design.md ("Batch policies").
 """
 
