@@ -54,10 +54,12 @@ bench: fetch
 	$(BIN)/eeserve bench
 
 # The tuned exit heads shipped for the default model (eeserve/data/smollm2): self-generated data,
-# distillation, probes, held-out report (tune_report.md). About 25 minutes on 2 CPU cores.
+# distillation, probes, held-out report (tune_report.md), then the vocabulary shortlist of the cheap
+# exit checks. About 30 minutes on 2 CPU cores.
 tune-default: fetch
 	$(BIN)/eeserve tune-exits smollm2 --exit-layers 6,10,14,18,22,26 --out eeserve/data/smollm2 --seed 0 \
 		--default-mode speculative --default-draft int8 --draft-vocab 8192
+	$(BIN)/eeserve shortlist smollm2 --out eeserve/data/smollm2
 
 # The default model trained to exit (`LLM("smollm2-ee")`, eeserve/data/smollm2-ee): a rank-16 base
 # delta distilled from the frozen original jointly with exit heads, then heads, probes and the
@@ -66,3 +68,4 @@ tune-default-ee: fetch
 	$(BIN)/eeserve tune-exits smollm2 --train-base lora --exit-layers 6,10,14,18,22,26 \
 		--out eeserve/data/smollm2-ee --seed 0 --base-tokens 200000 --lora-rank 16 \
 		--lora-lr 2e-4 --final-weight 8
+	$(BIN)/eeserve shortlist smollm2-ee --out eeserve/data/smollm2-ee
