@@ -1,6 +1,9 @@
-"""The llama.cpp peer benchmark's parts that run without llama-cpp-python (CI does not build it):
-the F32 GGUF export and the section's skip. With the package installed, the export is also
-checked end to end: llama.cpp's greedy tokens on the GGUF equal this engine's."""
+"""The llama.cpp peer benchmark's parts that run without llama.cpp built: the F32 GGUF export,
+the parsing of ``llama-batched-bench``'s output from recorded samples, the interleaved ratios'
+arithmetic, and the build's error without cmake. With llama.cpp's native tools already built
+(``eeserve bench --sections peer`` builds them once), a slow test runs them on a tiny GGUF; with
+llama-cpp-python installed, llama.cpp's greedy tokens on the GGUF are checked to equal this
+engine's."""
 
 from __future__ import annotations
 
@@ -13,8 +16,16 @@ import torch
 from safetensors import safe_open
 
 from eeserve import LLM, SamplingParams
-from eeserve.bench import llamacpp, peer
+from eeserve.bench import llamacpp, llamacpp_build, peer
 from eeserve.bench.gguf_export import write_gguf_f32
+from eeserve.bench.llamacpp_native import (
+    BatchedBenchRow,
+    batched_bench_command,
+    parse_batched_bench,
+    run_batched_bench,
+)
+from eeserve.bench.peer_summary import round_ratios, spread, summarise
+from eeserve.bench.roofline import gguf_bytes_per_token
 
 
 def test_gguf_export_holds_every_weight_in_llamacpp_layout(
@@ -44,12 +55,105 @@ def test_gguf_export_holds_every_weight_in_llamacpp_layout(
     assert int(fields["llama.attention.head_count_kv"].parts[-1][0]) == 2
 
 
-def test_peer_section_is_skipped_with_the_install_hint(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+# What llama-batched-bench printed (tools/batched-bench, llama-cpp-python 0.3.36's llama.cpp).
+_JSONL = """main: n_kv_max = 3072, n_batch = 2048, n_ubatch = 512, flash_attn = -1
+{"n_kv_max": 3072, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 0, \
+"n_gpu_layers": -1, "n_threads": 2, "n_threads_batch": 2, "pp": 32, "tg": 63, "pl": 1, \
+"n_kv": 95, "t_pp": 0.081000, "speed_pp": 395.061737, "t_tg": 0.792000, "speed_tg": 79.545456, \
+"t": 0.873000, "speed": 108.820160}
+{"n_kv_max": 3072, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 0, \
+"n_gpu_layers": -1, "n_threads": 2, "n_threads_batch": 2, "pp": 32, "tg": 63, "pl": 8, \
+"n_kv": 760, "t_pp": 0.412000, "speed_pp": 621.359222, "t_tg": 2.141000, "speed_tg": 235.404007, \
+"t": 2.553000, "speed": 297.689789}
+"""
+_TABLE = """
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|    32 |     63 |   32 |   3040 |    1.602 |   639.20 |    5.187 |   388.66 |    6.789 |   447.79 |
+"""
+
+
+def test_batched_bench_output_parses_as_jsonl_and_as_its_table() -> None:
+    rows = parse_batched_bench(_JSONL)
+    assert [r.batch for r in rows] == [1, 8]
+    assert rows[0] == BatchedBenchRow(32, 63, 1, 0.081, 0.792, 79.545456)
+    (row,) = parse_batched_bench(_TABLE)
+    assert (row.prompt_len, row.new_tokens, row.batch, row.decode_s) == (32, 63, 32, 5.187)
+    assert row.decode_tok_s == 388.66
+
+
+def test_batched_bench_command_times_what_the_engine_times(tmp_path: Path) -> None:
+    cmd = batched_bench_command(Path("bb"), tmp_path / "m.gguf", 2, 32, 63, [1, 8, 32])
+    arg = dict(zip(cmd[1::2], cmd[2::2]))
+    assert (arg["-t"], arg["-tb"], arg["-npp"], arg["-ntg"]) == ("2", "2", "32", "63")
+    assert arg["-npl"] == "1,8,32" and arg["--output-format"] == "jsonl"
+    assert int(arg["-c"]) >= 32 * (32 + 63)  # no batch size is skipped for want of context
+
+
+def test_a_tool_that_prints_no_row_for_a_batch_is_an_error(tmp_path: Path) -> None:
+    fake = tmp_path / "bb"
+    fake.write_text("#!/bin/sh\necho 'error: unable to load model' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(RuntimeError, match="unable to load model"):
+        run_batched_bench(fake, tmp_path / "m.gguf", 1, 8, 7, [1])
+
+
+def test_ratios_are_taken_within_each_round_then_summarised() -> None:
+    pairs = [("e", "p"), ("e", "q")]
+    rounds = [
+        {1: {"p": 100.0, "e": 110.0, "q": 50.0}},
+        {1: {"p": 60.0, "e": 54.0, "q": 50.0}},  # a load swing that hits both halves of a pair
+        {1: {"p": 80.0, "e": 96.0, "q": 50.0}},
+    ]
+    assert round_ratios(rounds[1], pairs) == {1: {"e / p": 0.9, "e / q": 1.08}}
+    (row,) = summarise(rounds, pairs)
+    r = row["ratios"]["e / p"]
+    assert (r["median"], r["min"], r["max"]) == pytest.approx((1.1, 0.9, 1.2))
+    assert r["per_round"] == pytest.approx([1.1, 0.9, 1.2])
+    # the median of per-round ratios, not the ratio of medians (96 / 80 = 1.2)
+    assert row["decode_tok_s_median"] == {"p": 80.0, "e": 96.0, "q": 50.0}
+    assert spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
+    with pytest.raises(ValueError):
+        spread([])
+
+
+def test_without_cmake_the_build_says_what_is_missing_and_the_section_is_skipped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(llamacpp, "available", lambda: False)
-    assert peer.bench_peer(argparse.Namespace()) == {"skipped": "llama-cpp-python not installed"}
-    assert "eeserve[peer]" in capsys.readouterr().out
+    monkeypatch.setenv("EESERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    assert len(llamacpp_build.missing_tools()) == 3
+    with pytest.raises(llamacpp_build.BuildToolMissing, match="cmake"):
+        llamacpp_build.native_tools()
+    assert not (tmp_path / "home" / "llamacpp").exists()  # nothing half-built left behind
+    skipped = peer.bench_peer(argparse.Namespace())
+    assert "cmake" in skipped["skipped"] and "C++ compiler" in skipped["skipped"]
+    assert "peer section skipped" in capsys.readouterr().out
+
+
+def _built_tools() -> llamacpp_build.NativeTools | None:
+    bin_dir = llamacpp_build.tools_dir() / "bin"
+    if not all((bin_dir / t).exists() for t in llamacpp_build.TARGETS):
+        return None
+    return llamacpp_build.native_tools()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_built_tools() is None, reason="llama.cpp's tools not built (--sections peer)")
+def test_native_tools_quantise_and_bench_the_exported_gguf(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    tools = _built_tools()
+    assert tools is not None
+    f32 = write_gguf_f32(tiny_model_dir, tmp_path / "f32.gguf")
+    q8 = llamacpp.q8_0_gguf(tiny_model_dir, tools.quantize)
+    rows = run_batched_bench(tools.batched_bench, q8, 1, 8, 7, [1, 2])
+    assert set(rows) == {1, 2} and all(r.decode_tok_s > 0 for r in rows.values())
+    assert all((r.prompt_len, r.new_tokens) == (8, 7) for r in rows.values())
+    # Q8_0: 34 bytes per 32 weights (an fp16 scale per block) where F32 has 128
+    assert gguf_bytes_per_token(q8) < 0.4 * gguf_bytes_per_token(f32)
 
 
 @pytest.mark.skipif(not llamacpp.available(), reason="llama-cpp-python not installed ([peer])")

