@@ -9,6 +9,7 @@ shaded and labelled with its multiple of capacity. Returns ``path``.
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ def plot_soak(result: dict[str, Any], path: Path) -> Path:
         ys = _series(rows, key)
         if any(not math.isnan(y) for y in ys):
             ax_rss.plot(x, ys, marker="o", ms=3, label=label)
+    ax_rss.ticklabel_format(axis="y", useOffset=False, style="plain")
     ax_rss.set_ylabel("RSS MiB")
     ax_rss.legend(fontsize=8)
     ax_kv.plot(x, _series(rows, "kv_blocks_used_max"), marker="o", ms=3, label="most in use")
@@ -84,7 +86,7 @@ def plot_soak(result: dict[str, Any], path: Path) -> Path:
             va="bottom",
             fontsize=9,
         )
-    fig.suptitle(result["title"], fontsize=10)
+    fig.suptitle("\n".join(textwrap.wrap(result["title"], 150)), fontsize=9)
     FigureCanvasAgg(fig)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
