@@ -245,6 +245,7 @@ def test_over_the_limits_is_429_with_retry_after(server: Server) -> None:
     assert m[waiting] == m["eeserve_admission_queued_tokens"] == 0
 
 
+@pytest.mark.slow
 def test_request_timeout_field_aborts_waiting_and_streaming(server: Server) -> None:
     """A request whose time limit passes while it waits behind a running stream: a 504 (whole
     response) or a final error event before [DONE] (stream); its blocks are freed."""

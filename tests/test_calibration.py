@@ -302,6 +302,7 @@ def test_server_passes_tolerance_through(calibrated: Path) -> None:
     assert resolve_exit_plan(ep, cfg[0]) == resolve_exit_plan(ExitParams(threshold=chosen), cfg[0])
 
 
+@pytest.mark.slow
 def test_calibrate_into_out_config_leaves_the_model_alone(
     tiny_varied_dir: Path, tmp_path: Path
 ) -> None:

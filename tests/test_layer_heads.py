@@ -297,6 +297,7 @@ def _opts(folder: Path, cache: Path, **kw: Any) -> TuneOptions:
     return tiny_tune_options(folder, cache, LAYERS, **(layer | kw))
 
 
+@pytest.mark.slow
 def test_tune_exits_with_layer_heads(tiny_varied_dir: Path, tmp_path: Path) -> None:
     """``eeserve tune-exits --adapter layer`` end to end: trained heads that beat the logit lens,
     the sidecar and report written into the model folder, the base untouched, the engine using

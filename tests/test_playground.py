@@ -74,6 +74,7 @@ def _events(http: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
 # -- the server side ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stream_carries_exit_tokens(server: Server, http: httpx.Client) -> None:
     body = _chat(server, {"threshold": 0.0, "measure": "softmax_margin"}, ignore_eos=True)
     choices = [c for ev in _events(http, body) for c in ev["choices"]]
@@ -113,6 +114,7 @@ def test_token_pieces_concatenate_to_the_text(tiny_model_dir: Path) -> None:
             assert "".join(pieces) == (text if finished else text.rstrip("\ufffd"))
 
 
+@pytest.mark.slow
 def test_exit_config_route_and_auth(server: Server, http: httpx.Client) -> None:
     cfg = http.get("/v1/eeserve/exit_config").json()
     assert cfg["num_layers"] == 4 and cfg["exit_layers"] == [1, 2, 3]
@@ -126,6 +128,7 @@ def test_exit_config_route_and_auth(server: Server, http: httpx.Client) -> None:
     assert httpx.get(f"{server.base}/ui/nothing.js").status_code == 404
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threshold", [5, -1.5, [0.5, 2, 0.5]])
 def test_threshold_outside_measure_range_is_400(
     server: Server, http: httpx.Client, threshold: Any

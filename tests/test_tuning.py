@@ -165,6 +165,7 @@ def test_text_data_files(tuned: Tuned, tmp_path: Path) -> None:
         text_groups([tmp_path / "c.csv"], tok)
 
 
+@pytest.mark.slow
 def test_tune_exits_command_writes_what_its_flags_ask(
     tiny_varied_dir: Path, tmp_path: Path
 ) -> None:
