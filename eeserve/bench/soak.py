@@ -140,7 +140,7 @@ async def _soak(
         capacity, cap_outs = await _capacity(args, client, mix, t0, hard)
         sampler_task = asyncio.create_task(sampler.run(args.sample_every))
         phases: list[Phase] = []
-        outcomes: list[Outcome] = []
+        outcomes: list[list[Outcome]] = []  # per load level
         for load, duration in zip(loads, durations):
             start = time.perf_counter() - t0
             outs = await open_loop(client, mix, load * capacity, duration, t0, hard)
@@ -148,14 +148,16 @@ async def _soak(
             idle = await sampler.until_idle(60)
             phase.drained_at, phase.idle_kv_blocks = idle.t, idle.kv_blocks_used
             phases.append(phase)
-            outcomes += outs
+            outcomes.append(outs)
             print(f"load {load:g}x: {_counts(outs)}", flush=True)
         sampler_task.cancel()
         with suppress(asyncio.CancelledError):
             await sampler_task
         up = await _healthy(client)
     warmup = min(args.interval, 0.2 * min(durations))
-    summaries = [summarize_phase(p, outcomes, sampler.samples, warmup) for p in phases]
+    summaries = [
+        summarize_phase(p, outs, sampler.samples, warmup) for p, outs in zip(phases, outcomes)
+    ]
     return {
         "provenance": _provenance(),
         "config": {**_config(args), "interval_s": args.interval, "warmup_s": warmup},
@@ -168,7 +170,9 @@ async def _soak(
         "phases": [asdict(p) for p in phases],
         "summaries": summaries,
         "checks": checks(summaries, up),
-        "intervals": intervals(outcomes, sampler.samples, phases, args.interval),
+        "intervals": intervals(
+            [o for outs in outcomes for o in outs], sampler.samples, phases, args.interval
+        ),
         "samples": [asdict(s) for s in sampler.samples],
     }
 

@@ -87,9 +87,10 @@ def intervals(
 
 
 def summarize_phase(
-    phase: Phase, outcomes: list[Outcome], samples: list[Sample], warmup: float
+    phase: Phase, outs: list[Outcome], samples: list[Sample], warmup: float
 ) -> dict[str, Any]:
-    outs = [o for o in outcomes if phase.start <= o.sent < phase.end]
+    """``outs``: the requests this load level sent (a client that falls behind its arrival
+    times may start some after the level's end; they still count here)."""
     smp = [s for s in samples if phase.start <= s.t <= phase.end]
     after = [s for s in smp if s.t >= phase.start + warmup]
     growth: dict[str, float | None] = {}
