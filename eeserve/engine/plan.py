@@ -52,21 +52,7 @@ def resolve_exit_plan(
     if mode == "speculative" and speculative_draft == "int8":
         return ExitPlan("max_prob", {}, mode, num_drafts)
     measure = params.measure or cfg.default_measure
-    if measure == "classifier" and not cfg.classifier:
-        raise ValueError("measure 'classifier' needs trained classifier probes in the exit sidecar")
-    if measure in SHORTLIST_MEASURES and not cfg.shortlist:
-        raise ValueError(
-            f"measure {measure!r} needs a vocabulary shortlist in the exit sidecar "
-            "(eeserve shortlist MODEL --out DIR)"
-        )
-    layers = sorted(set(params.exit_layers or cfg.exit_layers))
-    bad = [x for x in layers if x >= cfg.num_layers]
-    if bad:
-        raise ValueError(f"exit layers must be below the model's {cfg.num_layers} layers: {bad}")
-    if cfg.head == "tuned" and params.exit_layers:
-        missing = sorted(set(layers) - set(cfg.exit_layers))
-        if missing:
-            raise ValueError(f"no tuned exit head at layers {missing}; available {cfg.exit_layers}")
+    layers = _exit_layers(params, cfg, measure)
     threshold = params.threshold
     eager = False
     if params.tolerance is not None:
@@ -97,6 +83,26 @@ def resolve_exit_plan(
         num_drafts,
         eager,
     )
+
+
+def _exit_layers(params: ExitParams, cfg: ExitConfig, measure: str) -> list[int]:
+    """The request's exit layers, once its measure and layers are known to be usable."""
+    if measure == "classifier" and not cfg.classifier:
+        raise ValueError("measure 'classifier' needs trained classifier probes in the exit sidecar")
+    if measure in SHORTLIST_MEASURES and not cfg.shortlist:
+        raise ValueError(
+            f"measure {measure!r} needs a vocabulary shortlist in the exit sidecar "
+            "(eeserve shortlist MODEL --out DIR)"
+        )
+    layers = sorted(set(params.exit_layers or cfg.exit_layers))
+    bad = [x for x in layers if x >= cfg.num_layers]
+    if bad:
+        raise ValueError(f"exit layers must be below the model's {cfg.num_layers} layers: {bad}")
+    if cfg.head == "tuned" and params.exit_layers:
+        missing = sorted(set(layers) - set(cfg.exit_layers))
+        if missing:
+            raise ValueError(f"no tuned exit head at layers {missing}; available {cfg.exit_layers}")
+    return layers
 
 
 def calibrated_threshold(
