@@ -3,9 +3,9 @@
 Contract:
 - ``EngineLoop(engine, metrics, limits)`` (``limits``: the engine's defaults when omitted) is
   started with ``start(loop)`` from inside the asyncio event loop that will consume its
-  outputs. From then on every engine call (``add_request``,
-  ``abort_request``, ``tokenize``, ``step``) happens on the loop's single worker thread; other
-  threads only post commands to it (a deque plus a wake-up event), so no lock is needed.
+  outputs. From then on every engine call (``add_request``, ``abort_request``, ``tokenize``,
+  ``step``) happens on the loop's single worker thread; other threads only post commands to it
+  (a deque plus a wake-up event), so no lock is needed.
 - ``admit(engine, request_ids, choices, exit_params)`` (what ``add`` runs on the worker thread,
   and what batch files run on an engine of their own) adds a group of requests atomically.
 - ``await add(choices, exit_params, timeout)`` first passes the group through admission control

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import inspect
 import logging
 import os
 import signal
@@ -167,11 +168,14 @@ def launch_replicas(opts: ReplicaOptions, host: str, port: int) -> Deployed:
     )
     ray.get(hub.pages.remote())  # registered under its name before any replica looks it up
     serve.start(http_options={"host": host, "port": port})
+    limits = ray_limits(opts)
+    if "backpressure_config" not in inspect.signature(serve.deployment).parameters:
+        del limits["backpressure_config"]  # an older Ray Serve: its own overflow answers 503
     deployment = serve.deployment(serve.ingress()(EngineReplica)).options(
         name="EngineReplica",
         num_replicas=opts.replicas,
         ray_actor_options={"num_cpus": opts.threads},
-        **ray_limits(opts),
+        **limits,
         health_check_period_s=2,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=opts.shutdown_timeout,
