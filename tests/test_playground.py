@@ -118,7 +118,7 @@ def test_token_pieces_concatenate_to_the_text(tiny_model_dir: Path) -> None:
 def test_exit_config_route_and_auth(server: Server, http: httpx.Client) -> None:
     cfg = http.get("/v1/eeserve/exit_config").json()
     assert cfg["num_layers"] == 4 and cfg["exit_layers"] == [1, 2, 3]
-    assert cfg["default_measure"] in cfg["measures"] and cfg["exit_policy"] == "per_sequence"
+    assert cfg["default_measure"] in cfg["measures"] and cfg["exit_policy"] == "auto"
     assert httpx.get(f"{server.base}/v1/eeserve/exit_config").status_code == 401
     # The page and its files need no key (they hold none); the API behind them does.
     page = httpx.get(f"{server.base}/")

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from eeserve.exit_params import SHORTLIST_MEASURES
 from eeserve.models.exit_config import ExitConfig
 from eeserve.outputs import CompletionOutput
 
@@ -269,6 +270,8 @@ def exit_config_summary(cfg: ExitConfig, policy: str) -> dict[str, Any]:
     measures = ["softmax_margin", "max_prob", "hidden_cosine"]
     if cfg.classifier:
         measures.append("classifier")
+    if cfg.shortlist:
+        measures += SHORTLIST_MEASURES
     calibrated = [
         {
             "measure": r.get("measure"),

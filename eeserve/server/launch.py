@@ -80,7 +80,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
-    o = p.add_argument_group("overload (per replica with --replicas)")
+    _add_overload_args(p.add_argument_group("overload (per replica with --replicas)"))
+    _add_replica_args(p.add_argument_group("replicas (Ray Serve; needs the `ray` extra)"))
+    add_engine_args(p.add_argument_group("engine options"))
+
+
+def _add_overload_args(o: argparse._ArgumentGroup) -> None:
     o.add_argument(
         "--max-waiting-requests",
         type=int,
@@ -102,7 +107,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="seconds a request may take before it is aborted with 504 (default: no limit; "
         "a request's `request_timeout` field may ask for less)",
     )
-    r = p.add_argument_group("replicas (Ray Serve; needs the `ray` extra)")
+
+
+def _add_replica_args(r: argparse._ArgumentGroup) -> None:
     r.add_argument(
         "--replicas",
         type=int,
@@ -115,7 +122,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--threads-per-replica", type=int, default=1, help="CPUs (torch threads) per replica"
     )
-    add_engine_args(p.add_argument_group("engine options"))
 
 
 def serving_limits(args: argparse.Namespace) -> ServingLimits:

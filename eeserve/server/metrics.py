@@ -96,6 +96,13 @@ class ServerMetrics:
         self.waiting = Gauge("eeserve_num_requests_waiting", "Waiting requests", registry=r)
         self.kv_blocks_used = Gauge("eeserve_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.kv_blocks_free = Gauge("eeserve_kv_blocks_free", "Free KV cache blocks", registry=r)
+        self._admission_metrics(r)
+        for endpoint in ("/v1/completions", "/v1/chat/completions"):
+            for status in REQUEST_STATUSES:
+                self.requests.labels(endpoint, status)
+
+    def _admission_metrics(self, r: CollectorRegistry) -> None:
+        """Admission control's counters and gauges (docs/server.md, "Overload")."""
         self.admission_rejected = Counter(
             "eeserve_admission_rejected",
             "Requests answered 429 because a limit of admission control was reached",
@@ -120,9 +127,6 @@ class ServerMetrics:
         )
         for limit in LIMITS:
             self.admission_rejected.labels(limit)
-        for endpoint in ("/v1/completions", "/v1/chat/completions"):
-            for status in REQUEST_STATUSES:
-                self.requests.labels(endpoint, status)
 
     def request_done(self, endpoint: str, status: str) -> None:
         self.requests.labels(endpoint, status).inc()

@@ -48,7 +48,17 @@ class EarlyExitOptions(_Strict):
     tolerance: float | None = Field(
         None, gt=0, lt=1, description="allowed quality loss vs full depth (needs calibration)"
     )
-    measure: Literal["softmax_margin", "max_prob", "hidden_cosine", "classifier"] | None = None
+    measure: (
+        Literal[
+            "softmax_margin",
+            "max_prob",
+            "hidden_cosine",
+            "classifier",
+            "shortlist_margin",
+            "shortlist_max_prob",
+        ]
+        | None
+    ) = None
     min_layer: int = Field(1, ge=1, description="no exit below this layer (1-based)")
     mode: Literal["exit", "speculative"] | None = Field(
         None, description="speculative: exits draft, the deep layers verify (output = full depth)"
