@@ -133,6 +133,61 @@ def test_without_cmake_the_build_says_what_is_missing_and_the_section_is_skipped
     assert "peer section skipped" in capsys.readouterr().out
 
 
+_FAKE_BENCH = """#!/bin/sh
+prev=""
+for a in "$@"; do
+  case "$prev" in -npp) pp=$a;; -ntg) tg=$a;; -npl) pl=$a;; esac
+  prev=$a
+done
+printf '{"pp": %s, "tg": %s, "pl": %s, ' "$pp" "$tg" "$pl"
+echo '"t_pp": 0.1, "t_tg": 1.0, "speed_tg": 50.0}'
+"""
+
+
+def test_the_peer_section_interleaves_rounds_and_prints_ratios_and_the_roofline(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole section on the tiny model, with stand-ins for llama.cpp's two tools (a bench
+    that reports 50 tok/s, a quantiser that copies)."""
+    bench, quantize = tmp_path / "bench", tmp_path / "quantize"
+    bench.write_text(_FAKE_BENCH)
+    quantize.write_text('#!/bin/sh\ncp "$1" "$2"\n')
+    for tool in (bench, quantize):
+        tool.chmod(0o755)
+    tools = llamacpp_build.NativeTools(bench, quantize, "test")
+    (tmp_path / "gguf").mkdir()
+    monkeypatch.setattr(llamacpp, "gguf_dir", lambda folder: tmp_path / "gguf")
+    monkeypatch.setattr(peer, "native_tools", lambda: tools)
+    monkeypatch.setattr(peer, "read_bandwidth", lambda threads: 1e9)
+    monkeypatch.setattr(peer, "_SETTLE_S", 0.0)
+    args = argparse.Namespace(
+        model=str(tiny_model_dir), batch_sizes="1,2", peer_formats="F32,Q8_0,Q4_1", threads=1,
+        prompt_len=8, max_tokens=6, repeats=2, seed=0,
+    )  # fmt: skip
+    res = peer.bench_peer(args)
+    assert set(res["ggufs"]) == {"F32", "Q8_0"}  # Q4_1 is the default model's own file only
+    assert len(res["rounds"]) == 2 and res["decode_steps"] == 5
+    first = res["rounds"][0]["1"]
+    assert list(first) == [label for label in peer.ORDER if label != "llama.cpp Q4_1"]
+    for row in res["rows"]:
+        ratios = row["ratios"]
+        assert set(ratios) == {
+            "eeserve float32 / llama.cpp F32",
+            "eeserve int8 / llama.cpp Q8_0",
+            "eeserve default / llama.cpp Q8_0",
+        }
+        r = ratios["eeserve int8 / llama.cpp Q8_0"]
+        assert r["min"] <= r["median"] <= r["max"]
+        tps = [rnd[str(row["batch"])]["eeserve int8"] for rnd in res["rounds"]]
+        assert r["per_round"] == pytest.approx([t / 50.0 for t in tps])
+    runners = {r["runner"] for r in res["roofline_batch1"]}
+    assert runners == {"eeserve float32", "eeserve int8", "llama.cpp F32", "llama.cpp Q8_0"}
+    assert res["bytes_per_token"]["eeserve float32"] == res["bytes_per_token"]["llama.cpp F32"]
+    assert res["quality"]["2"]["default_vs_float32"]["token_agreement"] == 1.0  # lossless
+    assert "int8_vs_float32" in res["quality"]["1"]
+    assert res["provenance"]["commit"] is None or res["provenance"]["commit"]
+
+
 def _built_tools() -> llamacpp_build.NativeTools | None:
     bin_dir = llamacpp_build.tools_dir() / "bin"
     if not all((bin_dir / t).exists() for t in llamacpp_build.TARGETS):
