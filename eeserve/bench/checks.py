@@ -4,7 +4,10 @@ Contract: for each confidence measure the model's sidecar supports and each batc
 process: the time of one check at an exit layer (the exit head's input to a confidence per row:
 ``ExitLoop.measure_logits``, a probe for ``classifier``, then ``measures.confidence``) divided by
 the time of one decoder layer on the same rows (``engine.layer_cost.measure_layer_cost``, the
-engine's own kernels, attention left out), beside the cost model's fraction (weights read per
+engine's own kernels, attention left out, weights streamed from memory as in a step), beside the
+cost model's fraction. A check is timed repeated on its own, so its weights (an adapter and the
+shortlist's rows, a few MB) stay in the caches: the measured fraction is a lower bound, the
+modelled one (weights read from memory) the bound above (weights read per
 check over weights of a layer, ``models.cost.CostModel``). Then, end to end, decode tokens/s of
 a run where every exit layer checks but nothing exits (an unreachable threshold) divided by full
 depth's, alternated pairs, median ratio. Writes JSON with the command, commit and machine.
@@ -85,7 +88,7 @@ def check_fractions(engine: LLMEngine, batch_sizes: list[int]) -> list[dict[str,
     def rotary(k: int) -> Rotary:
         return Rotary(runner.cos[:k], runner.sin[:k])
 
-    cost = measure_layer_cost(runner.model.layers[layer], partial(_hidden, engine), rotary)
+    cost = measure_layer_cost(runner.model.layers, partial(_hidden, engine), rotary)
     out = []
     for n in batch_sizes:
         h = _hidden(engine, n)

@@ -4,7 +4,7 @@ Contract: ``LayerCost`` gives the seconds of one decoder layer for n decode rows
 layer's ``fill`` K/V projection for m rows (piecewise linear between the measured row counts,
 linear beyond the last two); ``shrink_pays`` says whether letting m of n running rows leave (the
 others run on, the leavers get fill) costs less per remaining layer than keeping all n.
-``measure_layer_cost`` times one layer of the loaded model with its own modules (so the engine's
+``measure_layer_cost`` times the loaded model's layers with their own modules (so the engine's
 kernels, packed or int8 weights), attention left out: at decode a row's attention is small next
 to the projections, and it shrinks with the rows anyway. ``layer_cost`` keeps a measurement per
 machine under ``eeserve_home()/layer_costs`` (keyed by the model's shape, dtype, weight format
@@ -77,21 +77,29 @@ def _best_time(fn: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
-def _run_layer(
-    layer: LlamaDecoderLayer, h: torch.Tensor, rot: Rotary, attend: AttentionFn
-) -> torch.Tensor:
-    return layer(h.clone(), rot, attend)  # type: ignore[no-any-return]
+def _run_layers(
+    layers: list[LlamaDecoderLayer], h: torch.Tensor, rot: Rotary, attend: AttentionFn
+) -> None:
+    for layer in layers:
+        layer(h.clone(), rot, attend)
+
+
+def _fill_layers(layers: list[LlamaDecoderLayer], h: torch.Tensor, rot: Rotary) -> None:
+    for layer in layers:
+        layer.kv_from_hidden(h, rot)
 
 
 @torch.inference_mode()
 def measure_layer_cost(
-    layer: LlamaDecoderLayer,
+    layers: list[LlamaDecoderLayer],
     hidden: Callable[[int], torch.Tensor],
     rotary: Callable[[int], Rotary],
-    repeats: int = 15,
+    repeats: int = 7,
 ) -> LayerCost:
-    """Times ``layer`` (its modules, with a pass-through attention) and its K/V fill on
-    ``hidden(n)`` [n, D] with ``rotary(n)``, for each row count of ``ROWS``. Both curves are
+    """Times ``layers`` (their modules, with a pass-through attention) and their K/V fill on
+    ``hidden(n)`` [n, D] with ``rotary(n)``, for each row count of ``ROWS``, per layer. Every
+    timed call runs all the layers, so that their weights stream from memory as in a decode step
+    (one layer timed alone stays in the caches and looks faster than it is). Both curves are
     made non-decreasing (more rows never cost less; a dip is timing noise)."""
 
     def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -100,8 +108,9 @@ def measure_layer_cost(
     layer_s, fill_s = [], []
     for n in ROWS:
         h, rot = hidden(n), rotary(n)
-        layer_s.append(_best_time(partial(_run_layer, layer, h, rot, attend), repeats))
-        fill_s.append(_best_time(partial(layer.kv_from_hidden, h, rot), repeats))
+        run = _best_time(partial(_run_layers, layers, h, rot, attend), repeats)
+        layer_s.append(run / len(layers))
+        fill_s.append(_best_time(partial(_fill_layers, layers, h, rot), repeats) / len(layers))
     for curve in (layer_s, fill_s):
         for i in range(1, len(curve)):
             curve[i] = max(curve[i], curve[i - 1])

@@ -169,6 +169,7 @@ class ModelRunner:
             f"{type(self.model).__name__}-d{c.hidden_size}-i{c.intermediate_size}-h{c.num_heads}"
             f"-kv{c.num_kv_heads}-hd{c.head_dim}-{str(o.dtype).removeprefix('torch.')}"
             f"-{o.quantization or 'float'}-{kernels}-{o.device.type}-t{torch.get_num_threads()}"
+            f"-l{c.num_layers}"
         )
 
     def _measure_layer_cost(self) -> LayerCost:
@@ -182,7 +183,7 @@ class ModelRunner:
         def rotary(n: int) -> Rotary:
             return Rotary(self.cos[:n], self.sin[:n])
 
-        return measure_layer_cost(self.model.layers[0], hidden, rotary)
+        return measure_layer_cost(self.model.layers, hidden, rotary)
 
     def release(self, seq_id: int) -> None:
         """Forget per-request tensors (sampling generator, draft distributions, owed hidden)."""
