@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import torch
 
 from eeserve.bench.measure import provenance, run_engine
 from eeserve.config import EngineConfig
-from eeserve.engine.layer_cost import measure_layer_cost
+from eeserve.engine.layer_cost import best_time, measure_layer_cost
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.engine.measures import confidence
 from eeserve.exit_params import LOGIT_MEASURES, MEASURES, SHORTLIST_MEASURES, ExitParams
@@ -45,16 +44,6 @@ def supported_measures(engine: LLMEngine) -> list[str]:
         for m in MEASURES
         if (m != "classifier" or cfg.classifier) and (m not in SHORTLIST_MEASURES or cfg.shortlist)
     ]
-
-
-def _best(fn: Any, repeats: int = 30) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def _hidden(engine: LLMEngine, n: int) -> torch.Tensor:
@@ -94,7 +83,7 @@ def check_fractions(engine: LLMEngine, batch_sizes: list[int]) -> list[dict[str,
         h = _hidden(engine, n)
         layer_s = cost.layer(n)
         for m in supported_measures(engine):
-            check_s = _best(partial(_check, engine, m, layer, h))
+            check_s = best_time(partial(_check, engine, m, layer, h), 30)
             uses_head = m in LOGIT_MEASURES or m in SHORTLIST_MEASURES
             weights = (adapter + rows[m] * cfg.hidden_size) if uses_head else cfg.hidden_size
             out.append(

@@ -66,7 +66,7 @@ def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], n: int) -> float:
     return ys[0]
 
 
-def _best_time(fn: Callable[[], object], repeats: int) -> float:
+def best_time(fn: Callable[[], object], repeats: int) -> float:
     """The fastest of ``repeats`` calls: other work on the machine only ever adds time."""
     fn()  # warm-up
     times = []
@@ -108,9 +108,9 @@ def measure_layer_cost(
     layer_s, fill_s = [], []
     for n in ROWS:
         h, rot = hidden(n), rotary(n)
-        run = _best_time(partial(_run_layers, layers, h, rot, attend), repeats)
+        run = best_time(partial(_run_layers, layers, h, rot, attend), repeats)
         layer_s.append(run / len(layers))
-        fill_s.append(_best_time(partial(_fill_layers, layers, h, rot), repeats) / len(layers))
+        fill_s.append(best_time(partial(_fill_layers, layers, h, rot), repeats) / len(layers))
     for curve in (layer_s, fill_s):
         for i in range(1, len(curve)):
             curve[i] = max(curve[i], curve[i - 1])
