@@ -20,6 +20,7 @@ import torch
 
 from eeserve.engine.attention import AttnMeta, PagedKVCache
 from eeserve.engine.exit_state import ExitBatch, ExitResult, PassState, take_rows
+from eeserve.engine.kv_fill import KVFiller
 from eeserve.engine.layer_cost import LayerCost
 from eeserve.engine.layer_stack import LayerStack
 from eeserve.engine.measures import confidence
@@ -43,6 +44,8 @@ class ExitLoop:
     ) -> None:
         self.model = model
         self.cost = cost  # the ``auto`` policy's layer cost model
+        # ``fill`` for every layer above an exit in one projection (None: layer by layer).
+        self.filler: KVFiller | None = None
         self.kv = kv
         self.stack = stack
         self.lm_head = lm_head
@@ -144,6 +147,9 @@ class ExitLoop:
         st.filled = None
         rows = torch.tensor(rows_list, dtype=torch.long, device=h.device)
         rot, slots = rot0.select(rows), meta0.slot_mapping[rows]
+        if self.filler is not None:
+            self.filler.pay(h, rot, first, self.kv, slots)
+            return
         for j, layer in enumerate(self.model.layers[first - 1 :], start=first):
             k, v = layer.kv_from_hidden(h, rot)
             self.kv.write(j - 1, slots, k, v)

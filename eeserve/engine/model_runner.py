@@ -22,6 +22,7 @@ from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.engine.draft_model import Int8Drafter
 from eeserve.engine.exit_loop import ExitLoop
 from eeserve.engine.exit_state import ExitBatch, ExitResult, exit_batch
+from eeserve.engine.kv_fill import KVFiller
 from eeserve.engine.layer_cost import LayerCost, layer_cost, measure_layer_cost
 from eeserve.engine.layer_stack import LayerStack
 from eeserve.engine.runner_output import RunnerOutput, SeqStep
@@ -102,6 +103,8 @@ class ModelRunner:
         self.speculator = Speculator(self.sampler, config.num_layers, int8)
         # Built from the float weights before they are patched, packed or quantised below.
         self.drafter = Int8Drafter(model, self.kv, native, opts.dtype) if int8 else None
+        fills = opts.kv_fill == "fill" and opts.exit_policy != "none" and opts.quantization is None
+        filler = KVFiller.build(model) if fills else None
         self.lm_head = self._place_weights(exit_heads)
         # Hidden states of owed positions, per sequence id: the input of their first owed layer.
         self._owed_hidden: dict[int, dict[int, torch.Tensor]] = {}
@@ -111,6 +114,7 @@ class ModelRunner:
         fused = FusedDecoder.build(model, native) if opts.dtype == torch.float32 else None
         self.stack = LayerStack(model, self.kv, fused)
         self.exit_loop = ExitLoop(model, self.kv, self.lm_head, exit_heads, shared, self.stack)
+        self.exit_loop.filler = filler
         if opts.exit_policy == "auto":
             self.exit_loop.cost = layer_cost(self._cost_key(), self._measure_layer_cost)
         if exit_config is not None and 0 < exit_config.draft_vocab < config.vocab_size:
