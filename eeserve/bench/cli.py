@@ -30,7 +30,7 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="repeats; peer: interleaved rounds")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench/results/bench.json")
+    p.add_argument("--out", default="bench/results/compare/bench.json")
     p.add_argument(
         "--sections",
         default="hf,exits",

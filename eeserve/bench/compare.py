@@ -23,6 +23,7 @@ from eeserve.bench.exit_sweep import bench_exits
 from eeserve.bench.measure import (
     machine_description,
     median_run,
+    provenance,
     run_engine,
     run_hf,
     token_agreement_mean,
@@ -85,8 +86,8 @@ def main(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     sections = args.sections.split(",")
-    results: dict[str, Any] = {"machine": machine_description(), "args": vars(args)}
-    results["machine"]["load_average_at_start"] = os.getloadavg()
+    results: dict[str, Any] = {"provenance": provenance(), "args": vars(args)}
+    results["machine"] = machine_description() | {"load_average_at_start": os.getloadavg()}
     if "hf" in sections:
         results.update(bench_vs_hf(args))
     if "peer" in sections:

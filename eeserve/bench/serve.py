@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from eeserve.bench.measure import provenance
 from eeserve.tuning.prompts import prompt_texts
 
 PERCENTILES = (50, 90, 99)
@@ -226,7 +227,7 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["softmax_margin", "max_prob", "hidden_cosine", "classifier"],
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench/results/bench_serve.json")
+    p.add_argument("--out", default="bench/results/serve/bench_serve.json")
 
 
 def add_bench_serve_parser(subparsers: Any, name: str = "serve") -> argparse.ArgumentParser:
@@ -263,7 +264,8 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], table: str) -> 
     print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args) | {"func": None}, "results": rows}, indent=2))
+    doc = {"provenance": provenance(), "args": vars(args) | {"func": None}, "results": rows}
+    out.write_text(json.dumps(doc, indent=2))
     print(f"wrote {out}")
     return 1 if any(r["errors"] for r in rows) else 0
 
