@@ -198,11 +198,12 @@ def _built_tools() -> llamacpp_build.NativeTools | None:
 @pytest.mark.slow
 @pytest.mark.skipif(_built_tools() is None, reason="llama.cpp's tools not built (--sections peer)")
 def test_native_tools_quantise_and_bench_the_exported_gguf(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tools = _built_tools()
     assert tools is not None
-    f32 = write_gguf_f32(tiny_model_dir, tmp_path / "f32.gguf")
+    monkeypatch.setattr(llamacpp, "gguf_dir", lambda folder: tmp_path)
+    f32 = llamacpp.f32_gguf(tiny_model_dir)
     q8 = llamacpp.q8_0_gguf(tiny_model_dir, tools.quantize)
     rows = run_batched_bench(tools.batched_bench, q8, 1, 8, 7, [1, 2])
     assert set(rows) == {1, 2} and all(r.decode_tok_s > 0 for r in rows.values())
