@@ -39,6 +39,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from eeserve.bench.measure import git_revision
 from eeserve.bench.plots import plot_all
 from eeserve.bench.report_config import (
     PAPER_TEXT_SOURCES,
@@ -95,7 +96,7 @@ def run_report(cfg: ReportConfig) -> dict[str, Any]:
         "canonical_command": canonical_command(cfg),
         "started": started,
         "repeats_done": done,
-        "git_revision": _git_revision(),
+        "git_revision": git_revision(),
         "load_average": {"start": load_start, "end": _load_average()},
         "wall_s": {"setup and warm-up": t1 - t0, "measuring": t2 - t1, "total": t2 - t0},
     }
@@ -117,21 +118,6 @@ def _load_average() -> float | None:
         return round(os.getloadavg()[0], 2)
     except OSError:
         return None
-
-
-def _git_revision() -> str | None:
-    """The checkout's commit (``+dirty`` with local changes), when run from a git checkout."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(root), "describe", "--always", "--dirty=+dirty"],
-            capture_output=True, text=True, timeout=10, check=True,
-        )  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return rev.stdout.strip() or None
 
 
 def write(results: dict[str, Any], out: Path) -> list[Path]:

@@ -304,7 +304,7 @@ def server(args: argparse.Namespace) -> Iterator[str]:
     proc = subprocess.Popen(cmd)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(base, proc)
+        wait_healthy(base, proc)
         yield base
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -314,7 +314,8 @@ def server(args: argparse.Namespace) -> Iterator[str]:
             proc.kill()
 
 
-def _wait_healthy(base: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
+def wait_healthy(base: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
+    """Returns once ``base``/health answers 200; raises if ``proc`` exits or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -42,6 +42,7 @@ import httpx
 
 from eeserve.bench.arrivals import long_prompt_texts
 from eeserve.bench.measure import provenance
+from eeserve.bench.serve import wait_healthy
 from eeserve.bench.soak_load import (
     Mix,
     Outcome,
@@ -282,7 +283,7 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://{HOST}:{port}"
     try:
-        _wait_healthy(base, proc)
+        wait_healthy(base, proc, timeout=900)
         yield base, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -290,15 +291,3 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
             proc.wait(120)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def _wait_healthy(base: str, proc: subprocess.Popen[bytes], timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        with suppress(httpx.TransportError):
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError("the server did not become healthy in time")

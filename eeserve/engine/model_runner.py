@@ -13,7 +13,6 @@ steps; it never changes scheduling state: the engine applies the result.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -122,7 +121,8 @@ class ModelRunner:
         if exit_config is not None and exit_config.shortlist:
             rows = _shortlist_rows(exit_config, config, exit_heads)
             ids = torch.tensor(exit_config.shortlist[:rows], dtype=torch.long)
-            self.exit_loop.shortlist_head = self._head_rows(ids.to(opts.device))
+            quantized = opts.quantization == "int8"
+            self.exit_loop.shortlist_head = self._head_rows(ids.to(opts.device), quantized)
             self.exit_loop.shortlist_rows = rows
 
     def _place_weights(self, exit_heads: ExitHeads | None) -> torch.nn.Module:
@@ -147,22 +147,20 @@ class ModelRunner:
             return PackedLinear(model.lm_head.weight, None, native)
         return model.lm_head
 
-    def _head_rows(self, ids: torch.Tensor) -> torch.nn.Module:
-        """The LM head restricted to the vocabulary rows ``ids``, in the weights' format."""
+    def _head_rows(self, ids: torch.Tensor | slice, int8: bool) -> torch.nn.Module:
+        """The LM head restricted to the vocabulary rows ``ids``: int8, packed or dense."""
         weight = self.model.lm_head.weight[ids].detach().contiguous()
-        if self.opts.quantization == "int8":
+        if int8:
             return Int8Linear(weight, None, self.native if self.device.type == "cpu" else None)
         if can_pack(self.device, self.dtype, self.config.hidden_size, self.native):
             return PackedLinear(weight, None, self.native)
         return _Dense(weight)
 
     def set_draft_vocab(self, n: int) -> None:
-        """Speculative drafts over the first ``n`` token ids (0: the whole vocabulary)."""
-        weight = self.model.lm_head.weight[:n].detach()
-        packable = can_pack(self.device, self.dtype, self.config.hidden_size, self.native)
-        dense = partial(F.linear, weight=weight)
-        head = PackedLinear(weight, None, self.native) if packable else dense
-        self.exit_loop.draft_head = head if 0 < n < self.config.vocab_size else None  # type: ignore[assignment]
+        """Speculative drafts over the first ``n`` token ids (0: the whole vocabulary); float
+        rows whatever the weights' format (a draft is verified anyway)."""
+        whole = not 0 < n < self.config.vocab_size
+        self.exit_loop.draft_head = None if whole else self._head_rows(slice(0, n), int8=False)
 
     def _cost_key(self) -> str:
         """What a layer's cost depends on: the model's shape, the weights' format, the device

@@ -112,19 +112,14 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    layer_class = Gemma3DecoderLayer
+
     def __init__(self, cfg: ModelConfig) -> None:
-        nn.Module.__init__(self)
         if not cfg.tie_word_embeddings:
             raise ValueError("Gemma 3 checkpoints tie the LM head to the embedding")
         if cfg.hidden_activation != "gelu_pytorch_tanh":
             raise ValueError(f"Gemma 3 activation {cfg.hidden_activation!r} is not supported")
-        self.config = cfg
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
+        super().__init__(cfg)
         self.embed_scale = cfg.hidden_size**0.5
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
