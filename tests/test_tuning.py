@@ -220,7 +220,9 @@ def test_bench_exits_section_runs_on_a_tuned_sidecar(tuned: Tuned, tmp_path: Pat
     argv = ["bench", "--model", str(tuned.folder), "--sections", "exits", "--out", str(out)]
     small = ["--batch-sizes", "2", "--max-tokens", "4", "--repeats", "1", "--prompt-len", "8"]
     assert cli_main([*argv, *small, "--thresholds", "0.5", "--policies", "per_sequence"]) == 0
-    rows = {r["threshold"]: r for r in json.loads(out.read_text())["exits"]}
+    result = json.loads(out.read_text())
+    assert set(result["provenance"]) >= {"command", "commit", "date", "machine"}
+    rows = {r["threshold"]: r for r in result["exits"]}
     assert set(rows) == {"0.5", f"0@{LAYERS[0]}"}
     # Prefill's first token is full depth; the other three leave at the first exit layer.
     assert rows[f"0@{LAYERS[0]}"]["mean_exit_layer"] < LAYERS[1]
