@@ -180,8 +180,7 @@ def test_a_short_shortlist_checks_less_and_the_token_comes_from_the_full_head(
     """A token that exits on a shortlist check is the full head's argmax at its exit layer."""
     folder = _with_shortlist(tiny_varied_dir, tmp_path / "sl", list(range(16)), 0)
     llm = make_llm(folder, exit_policy="per_sequence", enable_prefix_caching=False)
-    head = llm.engine.runner.exit_loop.shortlist_head
-    assert head is not None
+    assert llm.engine.runner.exit_loop.checks.shortlist_rows == 16
     outs = _run(llm, ExitParams(threshold=0.0, measure="shortlist_max_prob", exit_layers=[1]))
     shared = make_llm(tiny_varied_dir, exit_policy="per_sequence", enable_prefix_caching=False)
     ref = _run(shared, ExitParams(threshold=0.0, measure="max_prob", exit_layers=[1]))

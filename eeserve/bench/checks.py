@@ -2,7 +2,7 @@
 
 Contract: for each confidence measure the model's sidecar supports and each batch size, in one
 process: the time of one check at an exit layer (the exit head's input to a confidence per row:
-``ExitLoop.measure_logits``, a probe for ``classifier``, then ``measures.confidence``) divided by
+``ExitChecks.confidence``, as the exit loop calls it) divided by
 the time of one decoder layer on the same rows (``engine.layer_cost.measure_layer_cost``, the
 engine's own kernels, attention left out, weights streamed from memory as in a step), beside the
 cost model's fraction. A check is timed repeated on its own, so its weights (an adapter and the
@@ -28,7 +28,6 @@ from eeserve.bench.measure import provenance, run_engine
 from eeserve.config import EngineConfig
 from eeserve.engine.layer_cost import best_time, measure_layer_cost
 from eeserve.engine.llm_engine import LLMEngine
-from eeserve.engine.measures import confidence
 from eeserve.exit_params import LOGIT_MEASURES, MEASURES, SHORTLIST_MEASURES, ExitParams
 from eeserve.models.cost import CostModel
 from eeserve.models.llama import Rotary
@@ -53,18 +52,17 @@ def _hidden(engine: LLMEngine, n: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _check(engine: LLMEngine, measure: str, layer: int, h: torch.Tensor) -> torch.Tensor:
-    loop = engine.runner.exit_loop
-    logits = loop.measure_logits(measure, layer, h)
-    probe = loop.heads.probe(layer, h) if measure == "classifier" and loop.heads else None
-    return confidence(measure, logits, h, h, probe)
+def _check(engine: LLMEngine, measure: str, layer: int, h: torch.Tensor) -> list[float]:
+    """One check as the exit loop runs it, to the confidences it reads as Python numbers."""
+    conf, _ = engine.runner.exit_loop.checks.confidence(measure, layer, h, h)
+    return conf.tolist()  # type: ignore[no-any-return]
 
 
 def check_fractions(engine: LLMEngine, batch_sizes: list[int]) -> list[dict[str, Any]]:
     """Per measure and batch size: a check's time over a layer's, measured and modelled."""
     runner, cfg = engine.runner, engine.model_config
     layer = engine.exit_config.exit_layers[0]
-    heads = runner.exit_loop.heads
+    heads = runner.exit_loop.checks.heads
     adapter = 0
     if heads is not None and engine.exit_config.head == "tuned":
         params = heads.head(layer).named_parameters()
@@ -72,7 +70,7 @@ def check_fractions(engine: LLMEngine, batch_sizes: list[int]) -> list[dict[str,
     cm = CostModel.of(cfg, adapter)
     rows = dict.fromkeys(MEASURES, 0)
     rows.update(dict.fromkeys(LOGIT_MEASURES, cfg.vocab_size))
-    rows.update(dict.fromkeys(SHORTLIST_MEASURES, runner.exit_loop.shortlist_rows))
+    rows.update(dict.fromkeys(SHORTLIST_MEASURES, runner.exit_loop.checks.shortlist_rows))
 
     def rotary(k: int) -> Rotary:
         return Rotary(runner.cos[:k], runner.sin[:k])

@@ -174,7 +174,7 @@ def paper_quality(run: ReportRun) -> dict[str, Any]:
 def cost_model(run: ReportRun) -> CostModel:
     """The cost model of the paper engines' model and exit heads (their adapter included)."""
     engine = next(iter(run.paper_engines.values()))
-    heads, xc = engine.runner.exit_loop.heads, engine.exit_config
+    heads, xc = engine.runner.exit_loop.checks.heads, engine.exit_config
     adapter = 0
     if heads is not None and xc.head == "tuned":
         params = heads.head(xc.exit_layers[0]).named_parameters()

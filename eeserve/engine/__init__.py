@@ -7,8 +7,9 @@ Rooms, and what flows between them (docs/design.md, "One decode step"):
   Python paged KV blocks, prefix caching): hands the runner the sequences of one pass.
 - ``model_runner`` (owns every tensor): runs the pass and returns a ``runner_output.RunnerOutput``,
   one ``SeqStep`` per sequence. ``layer_stack`` runs layers without exits; ``exit_loop`` runs them
-  with exits, keeping the per-row state of the pass in ``exit_state``; ``plan``, ``measures`` and
-  ``policy`` say which rows leave; ``speculator`` decides what drafts and what is kept
+  with exits, keeping the per-row state of the pass in ``exit_state``; ``exit_checks`` computes
+  a check's confidence (exit heads, shortlist, probes); ``plan``, ``measures`` and ``policy`` say
+  which rows leave; ``speculator`` decides what drafts and what is kept
   (``speculative``: the acceptance rules; ``draft_model``: the int8 copy); ``attention`` is the
   KV pool and paged attention; ``sampler`` draws tokens.
 May import ``kernels``, ``models`` and the top-level data types (``config``, ``sampling_params``,

@@ -19,14 +19,13 @@ from functools import partial
 import torch
 
 from eeserve.engine.attention import AttnMeta, PagedKVCache
+from eeserve.engine.exit_checks import ExitChecks
 from eeserve.engine.exit_state import ExitBatch, ExitResult, PassState, take_rows
 from eeserve.engine.kv_fill import KVFiller
 from eeserve.engine.layer_cost import LayerCost
 from eeserve.engine.layer_stack import LayerStack
-from eeserve.engine.measures import confidence
 from eeserve.engine.plan import ExitPlan
 from eeserve.engine.policy import decide
-from eeserve.exit_params import LOGIT_MEASURES, SHORTLIST_MEASURES
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, Rotary
 
@@ -49,37 +48,11 @@ class ExitLoop:
         self.kv = kv
         self.stack = stack
         self.lm_head = lm_head
-        self.heads = heads
-        self.shared_head = shared_head
         self.layer_heads = not shared_head and heads is not None and heads.layer_heads
         # Optional cheaper LM head for speculative drafts: the first V' rows of the vocabulary.
         self.draft_head: torch.nn.Module | None = None
-        # The LM head's rows of the vocabulary shortlist (``shortlist_*`` measures): [n, K].
-        self.shortlist_head: torch.nn.Module | None = None
-        self.shortlist_rows = 0
-
-    def head_normed(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """LM-head input [n, D] of exit ``layer`` (1-based) from the head's input [n, D]: the
-        hidden state after ``layer``, or for layer heads h_mid of layer ``layer`` + 1."""
-        if self.shared_head or self.heads is None:
-            return self.model.final_norm(h)
-        return self.heads.normed(layer, h)
-
-    def head_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """Exit logits [n, V] (float32) of exit ``layer``; see ``head_normed``."""
-        return self.lm_head(self.head_normed(layer, h)).float()  # type: ignore[no-any-return]
-
-    def measure_logits(self, measure: str, layer: int, h: torch.Tensor) -> torch.Tensor | None:
-        """The logits [n, V] (shortlist measures: [n, K]) that ``measure`` reads at exit
-        ``layer`` from the head's input h [n, D]; None for measures that read none."""
-        if measure in LOGIT_MEASURES:
-            return self.head_logits(layer, h)
-        if measure in SHORTLIST_MEASURES:
-            if self.shortlist_head is None:
-                raise ValueError(f"measure {measure!r} needs the exit sidecar's shortlist")
-            normed = self.head_normed(layer, h)
-            return self.shortlist_head(normed).float()  # type: ignore[no-any-return]
-        return None
+        # The exit heads' inputs, logits and confidence measures (shortlist checks included).
+        self.checks = ExitChecks(model, lm_head, heads, shared_head)
 
     @torch.inference_mode()
     def run(self, h0: torch.Tensor, rot0: Rotary, meta0: AttnMeta, b: ExitBatch) -> ExitResult:
@@ -218,7 +191,7 @@ class ExitLoop:
         leaving = [k for k, g in enumerate(go) if g]
         if not leaving:
             return set()
-        normed = self.head_normed(j, take_rows(hc, leaving)) if logits is None else None
+        normed = self.checks.head_normed(j, take_rows(hc, leaving)) if logits is None else None
         for n, k in enumerate(leaving):
             e = st.exit_at(seqs[k], j, conf[k])
             if logits is not None:
@@ -238,12 +211,11 @@ class ExitLoop:
         for measure in {p.measure for p in plans}:
             rows = [k for k, p in enumerate(plans) if p.measure == measure]
             hm = take_rows(h, rows)
-            lg = self.measure_logits(measure, j, hm)
-            probe = self.heads.probe(j, hm) if measure == "classifier" and self.heads else None
             hp = take_rows(h_prev, rows) if measure == "hidden_cosine" else h_prev
-            for k, v in zip(rows, confidence(measure, lg, hm, hp, probe).tolist()):
+            c, lg = self.checks.confidence(measure, j, hm, hp)
+            for k, v in zip(rows, c.tolist()):
                 conf[k] = float(v)
-            if measure in LOGIT_MEASURES and len(rows) == len(plans):
+            if lg is not None and len(rows) == len(plans):
                 logits = lg  # the whole vocabulary's: the leaving rows' tokens come from it
         return conf, logits
 

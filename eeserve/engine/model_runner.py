@@ -13,12 +13,14 @@ steps; it never changes scheduling state: the engine applies the result.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.engine.draft_model import Int8Drafter
+from eeserve.engine.exit_checks import shortlist_rows
 from eeserve.engine.exit_loop import ExitLoop
 from eeserve.engine.exit_state import ExitBatch, ExitResult, exit_batch
 from eeserve.engine.kv_fill import KVFiller
@@ -39,7 +41,6 @@ from eeserve.kernels.packing import (
 )
 from eeserve.kernels.quant import Int8Linear, quantize_linears, quantize_model
 from eeserve.models.config import ModelConfig, rope_tables
-from eeserve.models.cost import CostModel
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaForCausalLM, Rotary
@@ -119,11 +120,12 @@ class ModelRunner:
         if exit_config is not None and 0 < exit_config.draft_vocab < config.vocab_size:
             self.set_draft_vocab(exit_config.draft_vocab)
         if exit_config is not None and exit_config.shortlist:
-            rows = _shortlist_rows(exit_config, config, exit_heads)
-            ids = torch.tensor(exit_config.shortlist[:rows], dtype=torch.long)
+            rows = shortlist_rows(exit_config, config, exit_heads)
+            ids = torch.tensor(exit_config.shortlist[:rows], dtype=torch.long, device=self.device)
             quantized = opts.quantization == "int8"
-            self.exit_loop.shortlist_head = self._head_rows(ids.to(opts.device), quantized)
-            self.exit_loop.shortlist_rows = rows
+            linear = partial(self._linear, int8=quantized)
+            weight = self.model.lm_head.weight[ids].detach()
+            self.exit_loop.checks.use_shortlist(weight, linear, fold_adapter=not quantized)
 
     def _place_weights(self, exit_heads: ExitHeads | None) -> torch.nn.Module:
         """Routes the model (and exit heads) onto the engine's kernels, int8 or packed float
@@ -147,20 +149,23 @@ class ModelRunner:
             return PackedLinear(model.lm_head.weight, None, native)
         return model.lm_head
 
-    def _head_rows(self, ids: torch.Tensor | slice, int8: bool) -> torch.nn.Module:
-        """The LM head restricted to the vocabulary rows ``ids``: int8, packed or dense."""
-        weight = self.model.lm_head.weight[ids].detach().contiguous()
+    def _linear(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, int8: bool
+    ) -> torch.nn.Module:
+        """x -> x weight^T + bias for a weight [K, D] of the model's: int8, packed or dense."""
+        weight = weight.detach().contiguous()
         if int8:
-            return Int8Linear(weight, None, self.native if self.device.type == "cpu" else None)
+            return Int8Linear(weight, bias, self.native if self.device.type == "cpu" else None)
         if can_pack(self.device, self.dtype, self.config.hidden_size, self.native):
-            return PackedLinear(weight, None, self.native)
-        return _Dense(weight)
+            return PackedLinear(weight, bias, self.native)
+        return _Dense(weight, bias)
 
     def set_draft_vocab(self, n: int) -> None:
         """Speculative drafts over the first ``n`` token ids (0: the whole vocabulary); float
         rows whatever the weights' format (a draft is verified anyway)."""
         whole = not 0 < n < self.config.vocab_size
-        self.exit_loop.draft_head = None if whole else self._head_rows(slice(0, n), int8=False)
+        rows = self.model.lm_head.weight[:n]
+        self.exit_loop.draft_head = None if whole else self._linear(rows, None, int8=False)
 
     def _cost_key(self) -> str:
         """What a layer's cost depends on: the model's shape, the weights' format, the device
@@ -373,24 +378,11 @@ class ModelRunner:
 
 
 class _Dense(torch.nn.Module):
-    """A bias-free linear over a fixed weight [K, D] (no packing on this device or dtype)."""
+    """A linear over a fixed weight [K, D] and bias [K] (no packing on this device or dtype)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.weight = weight
+        self.weight, self.bias = weight, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-
-def _shortlist_rows(cfg: ExitConfig, model: ModelConfig, heads: ExitHeads | None) -> int:
-    """Shortlist rows a check reads: the sidecar's ``shortlist_size``, else what the check
-    budget allows beside the exit head's adapter (``CostModel.shortlist_rows``)."""
-    if cfg.shortlist_size > 0:
-        return min(cfg.shortlist_size, len(cfg.shortlist))
-    adapter = 0
-    if heads is not None and cfg.head == "tuned":
-        head = heads.head(cfg.exit_layers[0])
-        adapter = sum(p.numel() for n, p in head.named_parameters() if "classifier" not in n)
-    rows = CostModel.of(model, adapter).shortlist_rows(model.hidden_size)
-    return min(rows, len(cfg.shortlist))
+        return F.linear(x, self.weight, self.bias)

@@ -76,6 +76,17 @@ class FusedDecoder:
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.intermediate = cfg.intermediate_size
         self.scale = cfg.head_dim**-0.5
+        # Per-layer views of the KV pools, made once per pool (``_pool_views``).
+        self._pools: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    def _pool_views(
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(k_pool[i], v_pool[i]) per layer; the runner's pools live as long as the engine, so
+        the views are cut once rather than at every layer call."""
+        if self._pools is None or self._pools[0] is not k_pool:
+            self._pools = (k_pool, list(zip(k_pool.unbind(0), v_pool.unbind(0))))
+        return self._pools[1]
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, ops: NativeOps | None) -> FusedDecoder | None:
@@ -100,12 +111,14 @@ class FusedDecoder:
         start: int = 0,
         end: int | None = None,
     ) -> torch.Tensor:
-        op = self.ops.decoder_layer
+        op = self.ops.ops.decoder_layer  # the registered op itself: no wrapper frame per layer
+        pools = self._pool_views(k_pool, v_pool)
+        # The same per-pass arguments for every layer: built once, not per layer call.
+        meta = (
+            attn.slot_mapping, attn.row_idx, attn.row_slots, attn.row_lens,
+            attn.span_starts, attn.span_slots, attn.span_positions,
+            self.num_heads, self.num_kv_heads, self.intermediate, self.scale,
+        )  # fmt: skip
         for i in range(start, len(self.layers) if end is None else end):
-            h = op(
-                h, *self.layers[i], cos, sin, k_pool[i], v_pool[i],
-                attn.slot_mapping, attn.row_idx, attn.row_slots, attn.row_lens,
-                attn.span_starts, attn.span_slots, attn.span_positions,
-                self.num_heads, self.num_kv_heads, self.intermediate, self.scale,
-            )  # fmt: skip
+            h = op(h, *self.layers[i], cos, sin, *pools[i], *meta)
         return h

@@ -8,7 +8,7 @@ Contract:
 - ``collect_scores(engine, texts, measures)`` runs each text once through the engine's own model
   at full depth (teacher-forced: every position reads the true prefix, computed at every layer)
   and keeps, per scored token and exit layer, the confidence of each measure (the engine's measure
-  code on the engine's heads: ``ExitLoop.measure_logits``, the probes, ``measures.confidence``),
+  code on the engine's heads: ``ExitChecks.confidence``, as the exit loop checks),
   the log-probability of the true next token under that exit's full-vocabulary head and its
   argmax; and the same two at full depth.
 - ``evaluate(scores, plan)`` applies an ``ExitPlan`` token by token: a token leaves at the first
@@ -32,9 +32,7 @@ import torch.nn.functional as F
 
 from eeserve.engine.exit_loop import ExitLoop
 from eeserve.engine.llm_engine import LLMEngine
-from eeserve.engine.measures import confidence
 from eeserve.engine.plan import ExitPlan
-from eeserve.exit_params import LOGIT_MEASURES
 from eeserve.models.llama import LlamaForCausalLM, Rotary
 
 _ROWS = 256  # scored positions per head projection: bounds the [rows, V] logits held at once
@@ -211,14 +209,11 @@ def _exit_scores(
         hc, hp, tc = h[a : a + _ROWS], h_prev[a : a + _ROWS], targets[a : a + _ROWS]
         head: torch.Tensor | None = None
         for m in measures:
-            lg = loop.measure_logits(m, layer, hc)
-            probe = loop.heads.probe(layer, hc) if m == "classifier" and loop.heads else None
-            if m == "classifier" and probe is None:
-                raise ValueError("measure 'classifier' needs classifier probes in the exit sidecar")
-            conf[m].append(confidence(m, lg, hc, hp, probe).double().cpu())
-            if m in LOGIT_MEASURES:
-                head = lg
-        logp, arg = _head_scores(head if head is not None else loop.head_logits(layer, hc), tc)
+            c, lg = loop.checks.confidence(m, layer, hc, hp)
+            conf[m].append(c.double().cpu())
+            head = lg if lg is not None else head
+        full = head if head is not None else loop.checks.head_logits(layer, hc)
+        logp, arg = _head_scores(full, tc)
         logps.append(logp)
         args.append(arg)
     return {m: torch.cat(v) for m, v in conf.items()}, torch.cat(logps), torch.cat(args)

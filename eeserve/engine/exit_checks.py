@@ -1,0 +1,170 @@
+"""Exit checks: the exit heads' inputs, logits and confidence at one exit layer.
+
+Contract: ``ExitChecks.confidence(measure, layer, h, h_prev)`` gives the confidence [n] of the
+rows h [n, D] at exit ``layer`` under ``measure`` (definitions: ``measures.confidence``), and the
+exit logits [n, V] when the measure computed them (the full-vocabulary measures: a leaving row's
+token comes from them). The exit loop, ``eeserve bench checks`` and the teacher-forced scores all
+check through here, so that they time and score the same arithmetic.
+
+A shortlist check (``use_shortlist``) is the exit head restricted to K rows of the LM head, in
+as few calls as its head allows: for a tuned head with a ``linear`` adapter, ``h + A h + b`` is
+one projection by ``I + A``; the head norm's weight is multiplied into the K rows, so the norm is
+a bare RMS normalisation; then the rows' projection, softmax and top two. Same numbers as
+``shortlist rows(norm(adapter(h)))`` up to float rounding (docs/early-exit.md, "Cost of a check").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eeserve.engine.measures import confidence
+from eeserve.exit_params import LOGIT_MEASURES, SHORTLIST_MEASURES
+from eeserve.models.config import ModelConfig
+from eeserve.models.cost import CostModel
+from eeserve.models.exit_config import ExitConfig
+from eeserve.models.exit_heads import ExitHeads
+from eeserve.models.llama import LlamaForCausalLM
+
+# (weight [K, D], bias [K] | None) -> a module computing x [n, D] -> x W^T + b [n, K], in the
+# runner's weight format (packed, int8 or dense)
+LinearFn = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
+
+
+@dataclass(frozen=True)
+class ShortlistHead:
+    """One exit layer's shortlist logits: rows(rms(pre(h))). ``pre`` maps the head input to the
+    norm's input (None: it is the head input); ``rows`` holds the K LM-head rows times the norm's
+    weight."""
+
+    pre: nn.Module | None
+    eps: float
+    rows: nn.Module
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [n, D] -> [n, K] float32."""
+        x = h if self.pre is None else self.pre(h)
+        return self.rows(F.rms_norm(x, (x.shape[-1],), None, self.eps)).float()  # type: ignore[no-any-return]
+
+
+class ExitChecks:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        lm_head: nn.Module,
+        heads: ExitHeads | None,
+        shared_head: bool,
+    ) -> None:
+        self.model = model
+        self.lm_head = lm_head
+        self.heads = heads
+        self.shared_head = shared_head
+        # Per exit layer (tuned heads), or one for every layer (the shared head).
+        self._shortlist: dict[int, ShortlistHead] = {}
+        self._shared_shortlist: ShortlistHead | None = None
+        self.shortlist_rows = 0  # K: 0 without a shortlist
+        # Exit layer -> its classifier probe's (weight [D], bias [1]) where the probe is a float
+        # nn.Linear: a matrix-vector product, not a one-column GEMM (measured several times
+        # slower between the layers' kernels, at batch 1).
+        self._probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if heads is not None and heads.config.classifier:
+            for layer in heads.config.exit_layers:
+                clf = heads.head(layer).classifier
+                if isinstance(clf, nn.Linear) and clf.bias is not None:
+                    self._probes[layer] = (clf.weight.detach()[0], clf.bias.detach())
+
+    def head_normed(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """LM-head input [n, D] of exit ``layer`` (1-based) from the head's input [n, D]: the
+        hidden state after ``layer``, or for layer heads h_mid of layer ``layer`` + 1."""
+        if self.shared_head or self.heads is None:
+            return self.model.final_norm(h)
+        return self.heads.normed(layer, h)
+
+    def head_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """Exit logits [n, V] (float32) of exit ``layer``; see ``head_normed``."""
+        return self.lm_head(self.head_normed(layer, h)).float()  # type: ignore[no-any-return]
+
+    def measure_logits(self, measure: str, layer: int, h: torch.Tensor) -> torch.Tensor | None:
+        """The logits [n, V] (shortlist measures: [n, K]) that ``measure`` reads at exit
+        ``layer`` from the head's input h [n, D]; None for measures that read none."""
+        if measure in LOGIT_MEASURES:
+            return self.head_logits(layer, h)
+        if measure in SHORTLIST_MEASURES:
+            head = self._shortlist.get(layer, self._shared_shortlist)
+            if head is None:
+                raise ValueError(f"measure {measure!r} needs the exit sidecar's shortlist")
+            return head.logits(h)
+        return None
+
+    def confidence(
+        self, measure: str, layer: int, h: torch.Tensor, h_prev: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Confidence [n] of rows h [n, D] at exit ``layer`` (h_prev [n, D]: the hidden state
+        ``hidden_cosine`` compares with), and the exit logits [n, V] of the full-vocabulary
+        measures (None for the others)."""
+        logits = self.measure_logits(measure, layer, h)
+        probe = None
+        if measure == "classifier":
+            if self.heads is None:
+                raise ValueError("measure 'classifier' needs classifier probes in the exit sidecar")
+            vec = self._probes.get(layer)
+            probe = self.heads.probe(layer, h) if vec is None else torch.addmv(vec[1], h, vec[0])
+        conf = confidence(measure, logits, h, h_prev, probe)
+        return conf, logits if measure in LOGIT_MEASURES else None
+
+    def use_shortlist(self, weight: torch.Tensor, linear: LinearFn, fold_adapter: bool) -> None:
+        """Shortlist checks over the LM-head rows ``weight`` [K, D] at every exit layer.
+        ``linear`` builds the runner's projections; ``fold_adapter``: a tuned head's ``linear``
+        adapter may become one projection (float weights; not where it is quantised)."""
+        self.shortlist_rows = weight.shape[0]
+        if self.shared_head or self.heads is None:
+            scale, eps = _norm_parts(self.model.model.get_submodule("norm"))
+            self._shared_shortlist = ShortlistHead(None, eps, linear(_scaled(weight, scale), None))
+            return
+        for layer in self.heads.config.exit_layers:
+            head = self.heads.head(layer)
+            pre: nn.Module | None = head.adapter
+            if head.adapter.kind == "none":
+                pre = None
+            elif head.adapter.kind == "linear" and fold_adapter:
+                pre = _identity_folded(head.adapter.layers[0], linear)
+            scale, eps = _norm_parts(head.norm)
+            self._shortlist[layer] = ShortlistHead(pre, eps, linear(_scaled(weight, scale), None))
+
+
+def _norm_parts(norm: nn.Module) -> tuple[torch.Tensor, float]:
+    """An RMS norm's weight [D] and epsilon (``RMSNorm`` or its native twin)."""
+    weight, eps = norm.weight, norm.eps
+    assert isinstance(weight, torch.Tensor) and isinstance(eps, float)
+    return weight.detach(), eps
+
+
+def _scaled(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """LM-head rows [K, D] times a norm's weight [D]: rows(w * x) = (rows * w)(x)."""
+    return (weight.detach() * scale.to(weight.dtype)).contiguous()
+
+
+def _identity_folded(lin: nn.Module, linear: LinearFn) -> nn.Module:
+    """``h + lin(h)`` as one projection: weight I + W, the same bias."""
+    assert isinstance(lin, nn.Linear), "a linear adapter to fold must be an nn.Linear"
+    w = lin.weight.detach()
+    eye = torch.eye(w.shape[0], dtype=w.dtype, device=w.device)
+    bias = None if lin.bias is None else lin.bias.detach()
+    return linear((w + eye).contiguous(), bias)
+
+
+def shortlist_rows(cfg: ExitConfig, model: ModelConfig, heads: ExitHeads | None) -> int:
+    """Shortlist rows a check reads: the sidecar's ``shortlist_size``, else what the check
+    budget allows beside the exit head's adapter (``CostModel.shortlist_rows``)."""
+    if cfg.shortlist_size > 0:
+        return min(cfg.shortlist_size, len(cfg.shortlist))
+    adapter = 0
+    if heads is not None and cfg.head == "tuned":
+        head = heads.head(cfg.exit_layers[0])
+        adapter = sum(p.numel() for n, p in head.named_parameters() if "classifier" not in n)
+    rows = CostModel.of(model, adapter).shortlist_rows(model.hidden_size)
+    return min(rows, len(cfg.shortlist))
