@@ -4,7 +4,6 @@ measure when the shortlist is the whole vocabulary; the classifier probe is the 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -12,36 +11,18 @@ import torch
 
 from eeserve import SamplingParams
 from eeserve.exit_params import ExitParams
-from eeserve.models.exit_config import ExitConfig
-from eeserve.models.exit_heads import save_sidecar
 from eeserve.models.loader import load_model
-from eeserve.tuning.heads import init_heads
-from tests.tiny_model import make_llm
+from tests.tiny_model import make_llm, with_random_tuned_heads
 
 LAYERS = [1, 2, 3]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-
-
-def _tuned(src: Path, dst: Path, shortlist: list[int]) -> Path:
-    """``src`` with random tuned heads (linear adapters, probes) and the given shortlist."""
-    shutil.copytree(src, dst)
-    model, mcfg = load_model(dst, torch.float32, torch.device("cpu"))
-    cfg = ExitConfig(mcfg.num_layers, LAYERS, head="tuned", adapter="linear", classifier=True)
-    cfg.shortlist, cfg.shortlist_size = shortlist, len(shortlist)
-    heads = init_heads(cfg, model)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
-    save_sidecar(dst, cfg, heads)
-    return dst
 
 
 @pytest.fixture(scope="module")
 def whole(tiny_varied_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     vocab = int(load_model(tiny_varied_dir, torch.float32, torch.device("cpu"))[1].vocab_size)
     dst = tmp_path_factory.mktemp("checks") / "whole"
-    return _tuned(tiny_varied_dir, dst, list(reversed(range(vocab))))
+    return with_random_tuned_heads(tiny_varied_dir, dst, LAYERS, 5, list(reversed(range(vocab))))
 
 
 @torch.inference_mode()
@@ -76,7 +57,10 @@ def test_a_short_shortlist_scores_as_the_unfolded_head(
     tiny_varied_dir: Path, tmp_path: Path
 ) -> None:
     ids = list(range(7, 40))
-    llm = make_llm(_tuned(tiny_varied_dir, tmp_path / "short", ids), enable_prefix_caching=False)
+    llm = make_llm(
+        with_random_tuned_heads(tiny_varied_dir, tmp_path / "short", LAYERS, 5, ids),
+        enable_prefix_caching=False,
+    )
     runner = llm.engine.runner
     checks = runner.exit_loop.checks
     assert checks.shortlist_rows == len(ids)

@@ -26,6 +26,7 @@ from tests.tiny_model import (
     kv_block_bytes,
     load_hf,
     run_together,
+    with_random_tuned_heads,
 )
 
 L = 4
@@ -70,17 +71,8 @@ def agreeing_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tuned_dir(tiny_varied_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The varied tiny model with random tuned (linear adapter) heads at 1, 2, 3."""
-    folder = tmp_path_factory.mktemp("spec") / "tuned"
-    shutil.copytree(tiny_varied_dir, folder)
-    model, mcfg = load_model(folder, torch.float32, torch.device("cpu"))
-    cfg = ExitConfig(mcfg.num_layers, [1, 2, 3], head="tuned", adapter="linear", classifier=True)
-    heads = init_heads(cfg, model)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
-    save_sidecar(folder, cfg, heads)
-    return folder
+    dst = tmp_path_factory.mktemp("spec") / "tuned"
+    return with_random_tuned_heads(tiny_varied_dir, dst, [1, 2, 3], 5)
 
 
 def _llm(folder: Path, **kw) -> LLM:

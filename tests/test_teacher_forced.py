@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -19,11 +18,7 @@ import torch
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.engine.plan import ExitPlan
 from eeserve.exit_params import ExitParams
-from eeserve.models.exit_config import ExitConfig
-from eeserve.models.exit_heads import save_sidecar
-from eeserve.models.loader import load_model
 from eeserve.sampling_params import SamplingParams
-from eeserve.tuning.heads import init_heads
 from eeserve.tuning.teacher_forced import (
     ScoredText,
     collect_scores,
@@ -32,7 +27,7 @@ from eeserve.tuning.teacher_forced import (
     passage_texts,
     token_exits,
 )
-from tests.tiny_model import make_llm, random_prompt
+from tests.tiny_model import make_llm, random_prompt, with_random_tuned_heads
 
 LAYERS = [1, 2, 3]
 MEASURES = ["classifier", "softmax_margin", "max_prob", "hidden_cosine", "shortlist_margin"]
@@ -42,18 +37,9 @@ MEASURES = ["classifier", "softmax_margin", "max_prob", "hidden_cosine", "shortl
 def tuned(tiny_varied_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The varied tiny model with random tuned (linear adapter) heads and probes at 1, 2, 3 and a
     vocabulary shortlist."""
-    folder = tmp_path_factory.mktemp("tf") / "tuned"
-    shutil.copytree(tiny_varied_dir, folder)
-    model, mcfg = load_model(folder, torch.float32, torch.device("cpu"))
-    cfg = ExitConfig(mcfg.num_layers, LAYERS, head="tuned", adapter="linear", classifier=True)
-    cfg.shortlist = list(range(3, 67))  # the ``shortlist_*`` measures' vocabulary rows
-    heads = init_heads(cfg, model)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
-    save_sidecar(folder, cfg, heads)
-    return folder
+    dst = tmp_path_factory.mktemp("tf") / "tuned"
+    # the shortlist: the ``shortlist_*`` measures' vocabulary rows
+    return with_random_tuned_heads(tiny_varied_dir, dst, LAYERS, 3, list(range(3, 67)))
 
 
 @pytest.fixture(scope="module")

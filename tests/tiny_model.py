@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import weakref
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from eeserve import LLM, CompletionOutput, ExitParams, RequestOutput, SamplingParams
 from eeserve.models.base_delta import delta_key
+from eeserve.models.exit_config import ExitConfig
+from eeserve.models.exit_heads import save_sidecar
+from eeserve.models.loader import load_model
+from eeserve.tuning.heads import init_heads
 
 _TEXT = [
     "The quick brown fox jumps over the lazy dog.",
@@ -329,3 +334,22 @@ def assert_same_completion(a: RequestOutput, b: RequestOutput, tol: float = 1e-4
         assert la.keys() == lb.keys(), f"token {j}: different top-n"
         worst = max(abs(la[t] - lb[t]) for t in la)
         assert worst < tol, f"token {j}: logprobs differ by {worst}"
+
+
+def with_random_tuned_heads(
+    src: Path, dst: Path, layers: list[int], seed: int, shortlist: list[int] | None = None
+) -> Path:
+    """A copy of the model folder ``src`` at ``dst`` with random tuned exit heads (linear
+    adapters, classifier probes) at ``layers``, and the vocabulary ``shortlist`` if given."""
+    shutil.copytree(src, dst)
+    model, mcfg = load_model(dst, torch.float32, torch.device("cpu"))
+    cfg = ExitConfig(mcfg.num_layers, layers, head="tuned", adapter="linear", classifier=True)
+    if shortlist is not None:
+        cfg.shortlist, cfg.shortlist_size = shortlist, len(shortlist)
+    heads = init_heads(cfg, model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    save_sidecar(dst, cfg, heads)
+    return dst

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from eeserve.engine.measures import confidence
@@ -28,27 +27,29 @@ from eeserve.models.config import ModelConfig
 from eeserve.models.cost import CostModel
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import ExitHeads
-from eeserve.models.llama import LlamaForCausalLM
+from eeserve.models.llama import LlamaForCausalLM, RMSNorm
 
 # (weight [K, D], bias [K] | None) -> a module computing x [n, D] -> x W^T + b [n, K], in the
 # runner's weight format (packed, int8 or dense)
 LinearFn = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
+# An RMS norm -> the module that computes it on the runner's kernels (native or PyTorch's)
+NormFn = Callable[[RMSNorm], nn.Module]
 
 
 @dataclass(frozen=True)
 class ShortlistHead:
     """One exit layer's shortlist logits: rows(rms(pre(h))). ``pre`` maps the head input to the
-    norm's input (None: it is the head input); ``rows`` holds the K LM-head rows times the norm's
-    weight."""
+    norm's input (None: it is the head input); ``rms`` is an RMS norm of unit weight; ``rows``
+    holds the K LM-head rows times the head norm's weight."""
 
     pre: nn.Module | None
-    eps: float
+    rms: nn.Module
     rows: nn.Module
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [n, D] -> [n, K] float32."""
         x = h if self.pre is None else self.pre(h)
-        return self.rows(F.rms_norm(x, (x.shape[-1],), None, self.eps)).float()  # type: ignore[no-any-return]
+        return self.rows(self.rms(x)).float()  # type: ignore[no-any-return]
 
 
 class ExitChecks:
@@ -116,14 +117,23 @@ class ExitChecks:
         conf = confidence(measure, logits, h, h_prev, probe)
         return conf, logits if measure in LOGIT_MEASURES else None
 
-    def use_shortlist(self, weight: torch.Tensor, linear: LinearFn, fold_adapter: bool) -> None:
+    def use_shortlist(
+        self, weight: torch.Tensor, linear: LinearFn, norm: NormFn, fold_adapter: bool
+    ) -> None:
         """Shortlist checks over the LM-head rows ``weight`` [K, D] at every exit layer.
-        ``linear`` builds the runner's projections; ``fold_adapter``: a tuned head's ``linear``
-        adapter may become one projection (float weights; not where it is quantised)."""
+        ``linear`` and ``norm`` build the runner's projections and norms; ``fold_adapter``: a
+        tuned head's ``linear`` adapter may become one projection (float weights; not where it is
+        quantised)."""
         self.shortlist_rows = weight.shape[0]
+
+        def unit_norm(eps: float) -> nn.Module:
+            rms = RMSNorm(weight.shape[1], eps).to(weight.device, weight.dtype)
+            return norm(rms.requires_grad_(False))
+
         if self.shared_head or self.heads is None:
             scale, eps = _norm_parts(self.model.model.get_submodule("norm"))
-            self._shared_shortlist = ShortlistHead(None, eps, linear(_scaled(weight, scale), None))
+            rows = linear(_scaled(weight, scale), None)
+            self._shared_shortlist = ShortlistHead(None, unit_norm(eps), rows)
             return
         for layer in self.heads.config.exit_layers:
             head = self.heads.head(layer)
@@ -133,7 +143,8 @@ class ExitChecks:
             elif head.adapter.kind == "linear" and fold_adapter:
                 pre = _identity_folded(head.adapter.layers[0], linear)
             scale, eps = _norm_parts(head.norm)
-            self._shortlist[layer] = ShortlistHead(pre, eps, linear(_scaled(weight, scale), None))
+            rows = linear(_scaled(weight, scale), None)
+            self._shortlist[layer] = ShortlistHead(pre, unit_norm(eps), rows)
 
 
 def _norm_parts(norm: nn.Module) -> tuple[torch.Tensor, float]:

@@ -33,8 +33,10 @@ from eeserve.engine.speculator import Speculator
 from eeserve.kernels.fused import FusedDecoder
 from eeserve.kernels.native import load as load_native
 from eeserve.kernels.packing import (
+    NativeRMSNorm,
     PackedLinear,
     can_pack,
+    native_norms,
     pack_for_cpu,
     pack_linears,
     use_native_ops,
@@ -43,7 +45,7 @@ from eeserve.kernels.quant import Int8Linear, quantize_linears, quantize_model
 from eeserve.models.config import ModelConfig, rope_tables
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import ExitHeads
-from eeserve.models.llama import LlamaForCausalLM, Rotary
+from eeserve.models.llama import LlamaForCausalLM, RMSNorm, Rotary
 
 
 @dataclass
@@ -125,7 +127,8 @@ class ModelRunner:
             quantized = opts.quantization == "int8"
             linear = partial(self._linear, int8=quantized)
             weight = self.model.lm_head.weight[ids].detach()
-            self.exit_loop.checks.use_shortlist(weight, linear, fold_adapter=not quantized)
+            checks = self.exit_loop.checks
+            checks.use_shortlist(weight, linear, self._norm, fold_adapter=not quantized)
 
     def _place_weights(self, exit_heads: ExitHeads | None) -> torch.nn.Module:
         """Routes the model (and exit heads) onto the engine's kernels, int8 or packed float
@@ -135,6 +138,8 @@ class ModelRunner:
             use_native_ops(model, native)
         if exit_heads is not None:
             exit_heads.to(device=opts.device, dtype=opts.dtype).eval().requires_grad_(False)
+            if native is not None:
+                native_norms(exit_heads, native)
         if opts.quantization == "int8":
             # Every size, tiny test models included: quantisation is asked for, not a speed-up.
             ops = native if opts.device.type == "cpu" else None
@@ -159,6 +164,10 @@ class ModelRunner:
         if can_pack(self.device, self.dtype, self.config.hidden_size, self.native):
             return PackedLinear(weight, bias, self.native)
         return _Dense(weight, bias)
+
+    def _norm(self, norm: RMSNorm) -> torch.nn.Module:
+        """``norm`` on the engine's kernel where there is one."""
+        return norm if self.native is None else NativeRMSNorm(norm, self.native)
 
     def set_draft_vocab(self, n: int) -> None:
         """Speculative drafts over the first ``n`` token ids (0: the whole vocabulary); float
