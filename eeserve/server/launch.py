@@ -15,7 +15,6 @@ N Ray Serve replicas instead (``replicas.run_replicas``), each with those limits
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import signal
@@ -28,7 +27,7 @@ import uvicorn
 from eeserve.engine_args import add_engine_args, engine_config
 from eeserve.server.admission import ServingLimits
 from eeserve.server.app import create_app
-from eeserve.server.engine_loop import build_engine
+from eeserve.server.engine_loop import build_engine, freeze_startup_heap
 from eeserve.server.replicas import run_replicas
 
 log = logging.getLogger(__name__)
@@ -161,20 +160,9 @@ def run_serve(args: argparse.Namespace) -> int:
         access_log=args.log_level == "debug",
     )
     server = _GracefulServer(config, app.state.engine_loop, args.shutdown_timeout)
-    _freeze_startup_heap()
+    freeze_startup_heap()
     server.run()
     return 0
-
-
-def _freeze_startup_heap() -> None:
-    """Startup leaves ~380,000 long-lived objects (torch, transformers, the model's modules)
-    that every collection of the oldest generation scans again: 220 ms for the default model on
-    this project's CPU (measured), a stall of every stream whenever the collector runs one while
-    serving. Frozen, the collector skips them (vLLM's engine does the same); they are still freed
-    by reference counting. This process serves and nothing else."""
-    gc.collect()
-    gc.freeze()
-    log.info("froze %d startup objects out of the garbage collector", gc.get_freeze_count())
 
 
 class _GracefulServer(uvicorn.Server):

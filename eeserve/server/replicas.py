@@ -4,7 +4,8 @@ Contract: ``run_replicas(args)`` connects to the Ray cluster at ``--ray-address`
 on this machine), deploys ``EngineReplica`` as a Ray Serve deployment of ``--replicas`` replicas,
 each its own process with ``--threads-per-replica`` CPUs (torch threads), its own engine and the
 single-process server's app (``create_app``: the same routes, validation, auth, streaming and
-early-exit fields), serves it on ``--host:--port`` through Ray Serve's proxy, which routes each
+early-exit fields; its startup heap frozen out of the garbage collector, as the single process
+does), serves it on ``--host:--port`` through Ray Serve's proxy, which routes each
 request to a replica, and blocks until SIGINT/SIGTERM. Ray Serve health-checks replicas (an
 engine thread that stopped fails the check) and restarts any that die; requests in flight on a
 dead replica end with a 5xx. ``/metrics`` shows every live replica's metrics, labelled
@@ -44,7 +45,7 @@ from eeserve.config import EngineConfig
 from eeserve.engine_args import engine_config
 from eeserve.server.admission import ServingLimits
 from eeserve.server.app import create_app
-from eeserve.server.engine_loop import build_engine
+from eeserve.server.engine_loop import build_engine, freeze_startup_heap
 from eeserve.server.metrics import ServerMetrics
 from eeserve.server.replica_metrics import MetricsHub, merge_pages
 
@@ -115,6 +116,7 @@ class EngineReplica:
         self._metrics: ServerMetrics = self._asgi.state.ctx.metrics
         # Daemon: it ends with the replica's process.
         threading.Thread(target=self._push_loop, name="eeserve-metrics", daemon=True).start()
+        freeze_startup_heap()
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         return self._asgi
