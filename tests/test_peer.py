@@ -161,14 +161,14 @@ def test_the_peer_section_interleaves_rounds_and_prints_ratios_and_the_roofline(
     monkeypatch.setattr(peer, "read_bandwidth", lambda threads: 1e9)
     monkeypatch.setattr(peer, "_SETTLE_S", 0.0)
     args = argparse.Namespace(
-        model=str(tiny_model_dir), batch_sizes="1,2", peer_formats="F32,Q8_0,Q4_1", threads=1,
+        model=str(tiny_model_dir), batch_sizes="1,2", peer_formats="F32,Q8_0,own", threads=1,
         prompt_len=8, max_tokens=6, repeats=2, seed=0,
     )  # fmt: skip
     res = peer.bench_peer(args)
-    assert set(res["ggufs"]) == {"F32", "Q8_0"}  # Q4_1 is the default model's own file only
+    assert set(res["ggufs"]) == {"F32", "Q8_0"}  # "own": a named model's file only
     assert len(res["rounds"]) == 2 and res["decode_steps"] == 5
     first = res["rounds"][0]["1"]
-    assert list(first) == [label for label in peer.ORDER if label != "llama.cpp Q4_1"]
+    assert list(first) == list(peer.ORDER)
     for row in res["rows"]:
         ratios = row["ratios"]
         assert set(ratios) == {

