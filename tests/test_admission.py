@@ -321,6 +321,7 @@ def test_soak_smoke(server: Server, tmp_path: Path) -> None:
         answered = s["completed"] + s["rejected"] + s["deadline"] + s["disconnected"]
         assert s["requests"] > 0 and answered == s["requests"] and s["hung"] == s["failed"] == 0
         assert s["kv_blocks_used_after_drain"] == 0
+        assert 0 <= s["client_lag_ms"]["p99"] <= s["client_lag_ms"]["max"]
     assert sum(s["rejected"] for s in result["summaries"]) > 0  # one slot: overloaded
     rows = result["intervals"]
     assert sum(r["requests"] for r in rows) == sum(s["requests"] for s in result["summaries"])

@@ -1,7 +1,8 @@
 """``eeserve bench soak``: the server under sustained load at multiples of its capacity.
 
-Contract: ``run_soak(args)`` starts ``python -m eeserve.server MODEL`` on a free loopback port
-(``--replicas N``: N Ray Serve replicas; or benchmarks ``--base-url`` as it is), warms it up and
+Contract: ``run_soak(args)`` starts ``python -m eeserve.server MODEL`` on a free loopback port,
+``--server-nice`` below this client's priority (``--replicas N``: N Ray Serve replicas; or
+benchmarks ``--base-url`` as it is), warms it up and
 measures its capacity: the completion rate of a closed loop of ``--capacity-concurrency`` clients
 sending the request mix for ``--capacity-duration`` seconds (completed requests over the time from
 its start to the last completion; or takes ``--capacity`` requests/s as given). Then, for each
@@ -44,6 +45,7 @@ from eeserve.bench.arrivals import long_prompt_texts
 from eeserve.bench.measure import provenance
 from eeserve.bench.serve import wait_healthy
 from eeserve.bench.soak_load import (
+    LoopLag,
     Mix,
     Outcome,
     Sampler,
@@ -71,6 +73,14 @@ def add_soak_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--replicas", type=int, default=None, help="serve N Ray Serve replicas")
     p.add_argument("--server-args", default="", help="extra `eeserve serve` options, quoted")
+    p.add_argument(
+        "--server-nice",
+        type=int,
+        default=10,
+        help="the server's niceness (its whole process tree) above this client's: on a machine "
+        "the two share, the load generator is then not starved of the CPU it needs to time "
+        "answers (0: equal priority)",
+    )
     p.add_argument("--request-timeout", type=float, default=120.0, help="the server's, seconds")
     p.add_argument("--loads", default="0.5,1,2", help="multiples of capacity, comma-separated")
     p.add_argument("--duration", default="600", help="seconds per load: one, or one per load")
@@ -135,6 +145,8 @@ async def _soak(
         mix = _mix(args)
         t0 = time.perf_counter()
         sampler = Sampler(client, pid, t0)
+        lag = LoopLag(t0)
+        lag_task = asyncio.create_task(lag.run())
         for warm in (mix.draw(disconnects=False) for _ in range(2)):
             await send(client, warm, t0, hard)
         limits = read_limits((await client.get("/metrics")).text)
@@ -151,13 +163,15 @@ async def _soak(
             phases.append(phase)
             outcomes.append(outs)
             print(f"load {load:g}x: {_counts(outs)}", flush=True)
-        sampler_task.cancel()
-        with suppress(asyncio.CancelledError):
-            await sampler_task
+        for task in (sampler_task, lag_task):
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
         up = await _healthy(client)
     warmup = min(args.interval, 0.2 * min(durations))
     summaries = [
-        summarize_phase(p, outs, sampler.samples, warmup) for p, outs in zip(phases, outcomes)
+        summarize_phase(p, outs, sampler.samples, lag.samples, warmup)
+        for p, outs in zip(phases, outcomes)
     ]
     return {
         "provenance": _provenance(),
@@ -172,7 +186,11 @@ async def _soak(
         "summaries": summaries,
         "checks": checks(summaries, up),
         "intervals": intervals(
-            [o for outs in outcomes for o in outs], sampler.samples, phases, args.interval
+            [o for outs in outcomes for o in outs],
+            sampler.samples,
+            lag.samples,
+            phases,
+            args.interval,
         ),
         "samples": [asdict(s) for s in sampler.samples],
     }
@@ -245,7 +263,7 @@ def format_summaries(result: dict[str, Any]) -> str:
     head = (
         f"{'load':>5} {'req/s':>6} {'sent':>5} {'done':>5} {'429':>5} {'dline':>5} "
         f"{'disc':>5} {'fail':>4} {'hung':>4} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} "
-        f"{'429 p99':>7} {'idle KV':>7}"
+        f"{'429 p99':>7} {'idle KV':>7} {'lag p99':>7}"
     )
     lines = [f"capacity {result['capacity']['requests_per_s']:.3f} requests/s", head]
     for s in result["summaries"]:
@@ -254,7 +272,8 @@ def format_summaries(result: dict[str, Any]) -> str:
             f"{s['load']:>5g} {s['rate_per_s']:>6.2f} {s['requests']:>5} {s['completed']:>5} "
             f"{s['rejected']:>5} {s['deadline']:>5} {s['disconnected']:>5} {s['failed']:>4} "
             f"{s['hung']:>4} {t['p50']:>8.0f}/{t['p99']:<8.0f} {i['p50']:>7.1f}/{i['p99']:<7.1f} "
-            f"{s['reject_ms']['p99']:>7.1f} {s['kv_blocks_used_after_drain']!s:>7}"
+            f"{s['reject_ms']['p99']:>7.1f} {s['kv_blocks_used_after_drain']!s:>7} "
+            f"{s['client_lag_ms']['p99']:>7.1f}"
         )
     lines.append("checks: " + json.dumps(result["checks"]))
     return "\n".join(lines)
@@ -270,6 +289,8 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
         s.bind((HOST, 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "eeserve.server", args.model, "--host", HOST, "--port", str(port)]
+    if args.server_nice:
+        cmd = ["nice", "-n", str(args.server_nice), *cmd]
     cmd += ["--log-level", "warning", "--request-timeout", str(args.request_timeout)]
     if args.replicas:
         cmd += ["--replicas", str(args.replicas)]

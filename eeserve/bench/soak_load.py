@@ -9,8 +9,11 @@ its ``Outcome``: ``completed``, ``rejected`` (429, with its latency and ``Retry-
 starts requests at Poisson arrival times at a given rate for a given time and, once that time
 has passed, waits for them all; ``closed_loop`` keeps ``concurrency`` requests in flight for a
 given time (the capacity measurement). ``Sampler`` reads, every few seconds, the RSS of the
-server's process tree from ``/proc`` and the KV-block and queue gauges from ``/metrics``
-(summed over replicas). Times are ``time.perf_counter()`` seconds since the run's ``t0``.
+server's process tree from ``/proc`` (in a worker thread, off the event loop) and the KV-block
+and queue gauges from ``/metrics`` (summed over replicas). ``LoopLag`` records how late the
+client's own event loop wakes from a short sleep: every latency the client measures includes
+that lag, so the records carry it beside them. Times are ``time.perf_counter()`` seconds since
+the run's ``t0``.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class Outcome:
     http_status: int | None = None
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
-    reject_latency: float | None = None  # a 429: seconds to the answer
+    reject_latency: float | None = None  # a 429: seconds to its response headers
     retry_after: int | None = None
     error: str | None = None
 
@@ -110,10 +113,11 @@ async def send(client: httpx.AsyncClient, req: Request, t0: float, hard_timeout:
 async def _run(client: httpx.AsyncClient, req: Request, out: Outcome, t0: float) -> None:
     start = time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=req.body) as r:
+        headers_at = time.perf_counter()
         out.http_status = r.status_code
         if r.status_code != 200:
             text = (await r.aread()).decode(errors="replace")
-            _refusal(out, r, text, start)
+            _refusal(out, r, text, headers_at - start)
             return
         if not out.stream:
             await r.aread()
@@ -144,11 +148,11 @@ async def _run(client: httpx.AsyncClient, req: Request, out: Outcome, t0: float)
         out.status = "completed"
 
 
-def _refusal(out: Outcome, r: httpx.Response, text: str, start: float) -> None:
+def _refusal(out: Outcome, r: httpx.Response, text: str, latency: float) -> None:
     out.error = f"HTTP {r.status_code}: {text[:200]}"
     if r.status_code == 429:
         out.status = "rejected"
-        out.reject_latency = time.perf_counter() - start
+        out.reject_latency = latency
         retry = r.headers.get("Retry-After")
         out.retry_after = int(retry) if retry and retry.isdigit() else None
     elif r.status_code == 504 and "deadline_exceeded" in text:
@@ -286,11 +290,9 @@ class Sampler:
             gauges, pids = read_gauges(r.text)
         except httpx.HTTPError:
             pass
-        server = rss_mib(self.server_pid) if self.server_pid else None
-        replicas = _total([rss_mib(p) for p in pids]) if pids else None
-        tree = (
-            _total([rss_mib(p) for p in process_tree(self.server_pid)]) if self.server_pid else None
-        )
+        # A scan of /proc takes tens of ms with a Ray cluster's processes: a thread's job, not
+        # the loop's, whose every stall would add to the latencies measured meanwhile.
+        server, replicas, tree = await asyncio.to_thread(self._rss, pids)
         s = Sample(
             time.perf_counter() - self.t0,
             server,
@@ -302,6 +304,14 @@ class Sampler:
         )
         self.samples.append(s)
         return s
+
+    def _rss(self, pids: list[int]) -> tuple[float | None, float | None, float | None]:
+        """MiB: the server process, its replicas, its whole process tree."""
+        if not self.server_pid:
+            return None, _total([rss_mib(p) for p in pids]) if pids else None, None
+        server = rss_mib(self.server_pid)
+        replicas = _total([rss_mib(p) for p in pids]) if pids else None
+        return server, replicas, _total([rss_mib(p) for p in process_tree(self.server_pid)])
 
     async def run(self, every: float) -> None:
         while True:
@@ -316,6 +326,24 @@ class Sampler:
             if s.idle or time.perf_counter() > deadline:
                 return s
             await asyncio.sleep(0.5)
+
+
+class LoopLag:
+    """How late the client's event loop wakes from a ``period``-second sleep, as
+    ``(t, lag seconds)`` pairs: a loop busy with other requests (or a process the CPU is not
+    given) adds this much to any answer the client times."""
+
+    def __init__(self, t0: float, period: float = 0.01) -> None:
+        self.t0 = t0
+        self.period = period
+        self.samples: list[tuple[float, float]] = []
+
+    async def run(self) -> None:
+        while True:
+            due = time.perf_counter() + self.period
+            await asyncio.sleep(self.period)
+            now = time.perf_counter()
+            self.samples.append((due - self.t0, max(0.0, now - due)))
 
 
 def _total(values: list[float | None]) -> float | None:

@@ -1,7 +1,8 @@
 """PNG of a soak run over time (matplotlib, Agg canvas: no display, no global pyplot state).
 
 Contract: ``plot_soak(result, path)`` draws, per interval of the ``result`` dict that
-``bench.soak`` writes: TTFT and inter-token latency p50/p99 (ms, log scale), requests by
+``bench.soak`` writes: TTFT and inter-token latency p50/p99 and the client's own loop lag
+(ms, log scale), requests by
 outcome, RSS (MiB) and KV blocks in use (the most, and the most while idle); each load level is
 shaded and labelled with its multiple of capacity. Returns ``path``.
 """
@@ -48,6 +49,8 @@ def plot_soak(result: dict[str, Any], path: Path) -> Path:
     ):
         for p, marker in (("p50", "o"), ("p99", "^")):
             ax_lat.plot(x, _series(rows, key, p), style, marker=marker, ms=3, label=f"{label} {p}")
+    lag = _series(rows, "client_lag_ms", "max")
+    ax_lat.plot(x, lag, ":", color="gray", marker="x", ms=3, label="client loop lag, most")
     ax_lat.set_yscale("log")
     ax_lat.set_ylabel("ms")
     ax_lat.legend(fontsize=8, ncol=4)

@@ -53,13 +53,23 @@ def _latency(outs: list[Outcome]) -> dict[str, Any]:
     }
 
 
+def client_lag(lags: list[tuple[float, float]], lo: float, hi: float) -> dict[str, float]:
+    """p99 and most of the client's loop lag between run seconds ``lo`` and ``hi``, in ms."""
+    xs = [lag for t, lag in lags if lo <= t < hi]
+    return {**percentiles(xs, (99,)), "max": max(xs) * 1000 if xs else math.nan}
+
+
 def _last(samples: list[Sample], key: str) -> float | None:
     values = [getattr(s, key) for s in samples if getattr(s, key) is not None]
     return values[-1] if values else None
 
 
 def intervals(
-    outcomes: list[Outcome], samples: list[Sample], phases: list[Phase], width: float
+    outcomes: list[Outcome],
+    samples: list[Sample],
+    lags: list[tuple[float, float]],
+    phases: list[Phase],
+    width: float,
 ) -> list[dict[str, Any]]:
     ends = [p.end for p in phases] + [p.drained_at for p in phases if not math.isnan(p.drained_at)]
     begin = phases[0].start if phases else 0.0
@@ -81,13 +91,18 @@ def intervals(
                 "rss_tree_mib": _last(smp, "rss_tree_mib"),
                 "kv_blocks_used_max": max(used) if used else None,
                 "kv_blocks_used_idle_max": max(idle) if idle else None,
+                "client_lag_ms": client_lag(lags, lo, hi),
             }
         )
     return rows
 
 
 def summarize_phase(
-    phase: Phase, outs: list[Outcome], samples: list[Sample], warmup: float
+    phase: Phase,
+    outs: list[Outcome],
+    samples: list[Sample],
+    lags: list[tuple[float, float]],
+    warmup: float,
 ) -> dict[str, Any]:
     """``outs``: the requests this load level sent (a client that falls behind its arrival
     times may start some after the level's end; they still count here)."""
@@ -108,6 +123,7 @@ def summarize_phase(
         "kv_blocks_used_idle_max": max(idle) if idle else None,
         "kv_blocks_used_after_drain": phase.idle_kv_blocks,
         "drain_s": phase.drained_at - phase.end,
+        "client_lag_ms": client_lag(lags, phase.start, phase.end),
         "errors": _errors(outs),
     }
 
@@ -140,6 +156,7 @@ def checks(summaries: list[dict[str, Any]], server_up: bool) -> dict[str, Any]:
             out["2x_ttft_p99_within_3x"] = ratio <= TTFT_RATIO_2X
         p99 = two["reject_ms"]["p99"]
         out["2x_reject_p99_ms"] = p99
+        out["2x_client_lag_p99_ms"] = two["client_lag_ms"]["p99"]
         out["2x_reject_p99_under_100ms"] = None if math.isnan(p99) else p99 < REJECT_P99_MS
     if one is not None:
         growth = [
