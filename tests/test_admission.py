@@ -297,6 +297,18 @@ def test_request_timeout_field_is_validated(server: Server, value: Any) -> None:
 # -- the soak benchmark, in miniature ------------------------------------------------------------
 
 
+def test_soak_starts_the_server_below_its_own_priority() -> None:
+    from eeserve.bench.soak import add_soak_parser, server_command
+
+    parser = argparse.ArgumentParser()
+    add_soak_parser(parser.add_subparsers())
+    niced = server_command(parser.parse_args(["soak", "--replicas", "2"]), 8123)
+    assert niced[:3] == ["nice", "-n", "10"] and niced[4:6] == ["-m", "eeserve.server"]
+    assert niced[niced.index("--replicas") + 1] == "2"
+    plain = server_command(parser.parse_args(["soak", "--server-nice", "0"]), 8123)
+    assert plain[1:3] == ["-m", "eeserve.server"] and "nice" not in plain
+
+
 @pytest.mark.slow
 def test_soak_smoke(server: Server, tmp_path: Path) -> None:
     """``eeserve bench soak`` against the one-slot server: every request is accounted for

@@ -77,7 +77,8 @@ def add_soak_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--server-nice",
         type=int,
         default=10,
-        help="the server's niceness (its whole process tree) above this client's: on a machine "
+        help="the niceness of a server this command starts (its whole process tree) above "
+        "this client's: on a machine "
         "the two share, the load generator is then not starved of the CPU it needs to time "
         "answers (0: equal priority)",
     )
@@ -279,6 +280,20 @@ def format_summaries(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def server_command(args: argparse.Namespace, port: int) -> list[str]:
+    """The command that starts the server to soak on ``port``: ``eeserve.server`` with the
+    run's options, behind ``nice -n --server-nice`` unless that is 0."""
+    cmd = [sys.executable, "-m", "eeserve.server", args.model, "--host", HOST, "--port", str(port)]
+    if args.server_nice:
+        cmd = ["nice", "-n", str(args.server_nice), *cmd]
+    cmd += ["--log-level", "warning", "--request-timeout", str(args.request_timeout)]
+    if args.replicas:
+        cmd += ["--replicas", str(args.replicas)]
+    if args.api_key:
+        cmd += ["--api-key", args.api_key]
+    return cmd + shlex.split(args.server_args)
+
+
 @contextmanager
 def _server(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
     """(base URL, server pid): ``--base-url`` as it is, or a server started for the run."""
@@ -288,15 +303,7 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
     with socket.socket() as s:
         s.bind((HOST, 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "eeserve.server", args.model, "--host", HOST, "--port", str(port)]
-    if args.server_nice:
-        cmd = ["nice", "-n", str(args.server_nice), *cmd]
-    cmd += ["--log-level", "warning", "--request-timeout", str(args.request_timeout)]
-    if args.replicas:
-        cmd += ["--replicas", str(args.replicas)]
-    if args.api_key:
-        cmd += ["--api-key", args.api_key]
-    cmd += shlex.split(args.server_args)
+    cmd = server_command(args, port)
     with tempfile.NamedTemporaryFile(
         "w+b", prefix="eeserve-soak-", suffix=".log", delete=False
     ) as log:

@@ -307,11 +307,11 @@ class Sampler:
 
     def _rss(self, pids: list[int]) -> tuple[float | None, float | None, float | None]:
         """MiB: the server process, its replicas, its whole process tree."""
-        if not self.server_pid:
-            return None, _total([rss_mib(p) for p in pids]) if pids else None, None
-        server = rss_mib(self.server_pid)
+        root = self.server_pid
+        server = rss_mib(root) if root else None
         replicas = _total([rss_mib(p) for p in pids]) if pids else None
-        return server, replicas, _total([rss_mib(p) for p in process_tree(self.server_pid)])
+        tree = _total([rss_mib(p) for p in process_tree(root)]) if root else None
+        return server, replicas, tree
 
     async def run(self, every: float) -> None:
         while True:
