@@ -7,7 +7,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -302,11 +305,59 @@ def test_soak_starts_the_server_below_its_own_priority() -> None:
 
     parser = argparse.ArgumentParser()
     add_soak_parser(parser.add_subparsers())
-    niced = server_command(parser.parse_args(["soak", "--replicas", "2"]), 8123)
+    niced = server_command(parser.parse_args(["soak"]), 8123)
     assert niced[:3] == ["nice", "-n", "10"] and niced[4:6] == ["-m", "eeserve.server"]
-    assert niced[niced.index("--replicas") + 1] == "2"
     plain = server_command(parser.parse_args(["soak", "--server-nice", "0"]), 8123)
     assert plain[1:3] == ["-m", "eeserve.server"] and "nice" not in plain
+    # Replicas are niced once they run (nice_replicas), so that Ray's proxy is not.
+    replicas = server_command(parser.parse_args(["soak", "--replicas", "2"]), 8123)
+    assert "nice" not in replicas and replicas[replicas.index("--replicas") + 1] == "2"
+
+
+def test_renice_lowers_every_thread_of_a_process() -> None:
+    from eeserve.bench.soak_load import renice
+
+    code = (
+        "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+        "print('up', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        assert renice(proc.pid, 3) == 2
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        tids = [int(t.name) for t in Path(f"/proc/{proc.pid}/task").iterdir()]
+        assert len(tids) == 2
+        assert all(os.getpriority(os.PRIO_PROCESS, tid) == base + 3 for tid in tids)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("body", "by"), [('{"error": {"message": "busy"}}', "engine"), ("Too many requests", "proxy")]
+)
+def test_soak_client_says_who_turned_a_request_away(body: str, by: str) -> None:
+    from starlette.responses import Response
+
+    from eeserve.bench.soak_load import Request
+    from eeserve.bench.soak_load import send as soak_send
+
+    app = Response(body, status_code=429, headers={"Retry-After": "2"})
+
+    async def one() -> Any:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://soak") as client:
+            return await soak_send(client, Request({"stream": False}, "short"), 0.0, 5.0)
+
+    out = asyncio.run(one())
+    assert (out.status, out.http_status, out.retry_after, out.rejected_by) == (
+        "rejected",
+        429,
+        2,
+        by,
+    )
+    assert out.reject_latency is not None and out.reject_latency >= 0
 
 
 @pytest.mark.slow
@@ -332,7 +383,7 @@ def test_soak_smoke(server: Server, tmp_path: Path) -> None:
     for s in result["summaries"]:
         answered = s["completed"] + s["rejected"] + s["deadline"] + s["disconnected"]
         assert s["requests"] > 0 and answered == s["requests"] and s["hung"] == s["failed"] == 0
-        assert s["kv_blocks_used_after_drain"] == 0
+        assert s["kv_blocks_used_after_drain"] == 0 and s["rejected_by_proxy"] == 0
         assert 0 <= s["client_lag_ms"]["p99"] <= s["client_lag_ms"]["max"]
     assert sum(s["rejected"] for s in result["summaries"]) > 0  # one slot: overloaded
     rows = result["intervals"]

@@ -1,8 +1,9 @@
 """``eeserve bench soak``: the server under sustained load at multiples of its capacity.
 
 Contract: ``run_soak(args)`` starts ``python -m eeserve.server MODEL`` on a free loopback port,
-``--server-nice`` below this client's priority (``--replicas N``: N Ray Serve replicas; or
-benchmarks ``--base-url`` as it is), warms it up and
+``--server-nice`` below this client's priority (``--replicas N``: N Ray Serve replicas, each
+replica's process niced once it serves, Ray's proxy and controller left at the client's priority;
+or benchmarks ``--base-url`` as it is), warms it up and
 measures its capacity: the completion rate of a closed loop of ``--capacity-concurrency`` clients
 sending the request mix for ``--capacity-duration`` seconds (completed requests over the time from
 its start to the last completion; or takes ``--capacity`` requests/s as given). Then, for each
@@ -51,7 +52,9 @@ from eeserve.bench.soak_load import (
     Sampler,
     closed_loop,
     open_loop,
+    read_gauges,
     read_limits,
+    renice,
     send,
 )
 from eeserve.bench.soak_plots import plot_soak
@@ -77,10 +80,10 @@ def add_soak_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--server-nice",
         type=int,
         default=10,
-        help="the niceness of a server this command starts (its whole process tree) above "
-        "this client's: on a machine "
-        "the two share, the load generator is then not starved of the CPU it needs to time "
-        "answers (0: equal priority)",
+        help="the niceness, above this client's, of the engines of a server this command "
+        "starts (the single process; with --replicas, every thread of each replica, not Ray's "
+        "proxy): on a machine they share, the load generator and the proxy that turns requests "
+        "away are then not starved by the engines' compute (0: equal priority)",
     )
     p.add_argument("--request-timeout", type=float, default=120.0, help="the server's, seconds")
     p.add_argument("--loads", default="0.5,1,2", help="multiples of capacity, comma-separated")
@@ -282,9 +285,9 @@ def format_summaries(result: dict[str, Any]) -> str:
 
 def server_command(args: argparse.Namespace, port: int) -> list[str]:
     """The command that starts the server to soak on ``port``: ``eeserve.server`` with the
-    run's options, behind ``nice -n --server-nice`` unless that is 0."""
+    run's options, behind ``nice -n --server-nice`` unless that is 0 or the server runs replicas."""
     cmd = [sys.executable, "-m", "eeserve.server", args.model, "--host", HOST, "--port", str(port)]
-    if args.server_nice:
+    if args.server_nice and not args.replicas:  # replicas: niced once they run (nice_replicas)
         cmd = ["nice", "-n", str(args.server_nice), *cmd]
     cmd += ["--log-level", "warning", "--request-timeout", str(args.request_timeout)]
     if args.replicas:
@@ -312,6 +315,8 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
     base = f"http://{HOST}:{port}"
     try:
         wait_healthy(base, proc, timeout=900)
+        if args.replicas and args.server_nice:
+            nice_replicas(base, args.replicas, args.server_nice)
         yield base, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -319,3 +324,20 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
             proc.wait(120)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def nice_replicas(base: str, replicas: int, increment: int, timeout: float = 120.0) -> list[int]:
+    """Run each of the ``replicas`` engine processes behind ``base`` (their pids from
+    ``eeserve_replica_info``, which a replica publishes within seconds of starting)
+    ``increment`` nicer than this client; their pids."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = read_gauges(httpx.get(f"{base}/metrics", timeout=30).text)[1]
+        if len(pids) >= replicas:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(pids)} of {replicas} replicas published their pid")
+        time.sleep(1.0)
+    threads = sum(renice(pid, increment) for pid in pids)
+    print(f"replicas {pids}: {threads} threads at niceness +{increment}", flush=True)
+    return pids

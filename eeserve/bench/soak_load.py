@@ -3,14 +3,16 @@
 Contract: ``Mix`` draws request bodies (short or ~1.5k-token prompts, streaming or not, a share
 of clients that disconnect on purpose), each behind a first line of its own so that no request is
 served from another's prefix cache. ``send(client, req, t0, hard_timeout)`` runs one and returns
-its ``Outcome``: ``completed``, ``rejected`` (429, with its latency and ``Retry-After``),
+its ``Outcome``: ``completed``, ``rejected`` (429, with its latency, ``Retry-After`` and who
+answered it: the engine's admission control, whose body is an OpenAI error, or Ray's proxy),
 ``deadline`` (504 or a stream's ``deadline_exceeded`` event), ``disconnected`` (planned),
 ``failed`` (any other answer) or ``hung`` (no answer within ``hard_timeout``). ``open_loop``
 starts requests at Poisson arrival times at a given rate for a given time and, once that time
 has passed, waits for them all; ``closed_loop`` keeps ``concurrency`` requests in flight for a
 given time (the capacity measurement). ``Sampler`` reads, every few seconds, the RSS of the
 server's process tree from ``/proc`` (in a worker thread, off the event loop) and the KV-block
-and queue gauges from ``/metrics`` (summed over replicas). ``LoopLag`` records how late the
+and queue gauges from ``/metrics`` (summed over replicas). ``renice`` lowers the priority of
+every thread of a process. ``LoopLag`` records how late the
 client's own event loop wakes from a short sleep: every latency the client measures includes
 that lag, so the records carry it beside them. Times are ``time.perf_counter()`` seconds since
 the run's ``t0``.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -52,6 +55,7 @@ class Outcome:
     itls: list[float] = field(default_factory=list)
     reject_latency: float | None = None  # a 429: seconds to its response headers
     retry_after: int | None = None
+    rejected_by: str | None = None  # a 429: "engine" (admission control) or "proxy" (Ray's)
     error: str | None = None
 
 
@@ -155,6 +159,7 @@ def _refusal(out: Outcome, r: httpx.Response, text: str, latency: float) -> None
         out.reject_latency = latency
         retry = r.headers.get("Retry-After")
         out.retry_after = int(retry) if retry and retry.isdigit() else None
+        out.rejected_by = "engine" if text.lstrip().startswith("{") else "proxy"
     elif r.status_code == 504 and "deadline_exceeded" in text:
         out.status = "deadline"
     else:
@@ -273,6 +278,21 @@ def process_tree(root: int) -> list[int]:
         out.append(pid)
         todo.extend(children.get(pid, []))
     return out
+
+
+def renice(pid: int, increment: int) -> int:
+    """Run every thread of ``pid`` ``increment`` nicer than this process; the number of threads
+    set. On Linux a nice value belongs to a thread (``renice`` sets the main thread's alone), and a
+    thread started later inherits its creator's."""
+    value = os.getpriority(os.PRIO_PROCESS, 0) + increment
+    count = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(task.name), value)
+            count += 1
+        except ProcessLookupError:  # the thread has ended
+            continue
+    return count
 
 
 class Sampler:

@@ -47,6 +47,7 @@ def _latency(outs: list[Outcome]) -> dict[str, Any]:
         **counts,
         "ttft_ms": percentiles([o.ttft for o in streamed if o.ttft is not None], (50, 99)),
         "itl_ms": percentiles([x for o in streamed for x in o.itls], (50, 99)),
+        "rejected_by_proxy": sum(o.rejected_by == "proxy" for o in outs),
         "reject_ms": percentiles(
             [o.reject_latency for o in outs if o.reject_latency is not None], (50, 99)
         ),
