@@ -156,9 +156,9 @@ def test_packaged_exit_config_is_speculative_with_int8_drafts() -> None:
     assert cfg.num_layers == 18 and cfg.enabled_by_default
     assert (cfg.default_mode, cfg.default_draft) == ("speculative", "int8")
     # Gemma's frequent tokens are spread over the whole id range (punctuation near 236,000):
-    # drafts see every id, and the cheap checks read a counted shortlist.
-    assert cfg.draft_vocab == 0
-    assert len(cfg.shortlist) == 4096 and max(cfg.shortlist) > 200_000
+    # exit drafts see every id, int8 drafts and the cheap checks a counted shortlist.
+    assert cfg.draft_vocab == 0 and cfg.int8_draft_vocab == len(cfg.shortlist) == 32768
+    assert max(cfg.shortlist[:100]) > 200_000
 
 
 def test_soft_capping_is_refused(tiny: Path) -> None:

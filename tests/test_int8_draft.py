@@ -224,6 +224,44 @@ def test_auto_takes_the_models_default_draft(varied_dir: Path, tmp_path: Path) -
         ExitConfig(L, [1], default_draft="fp8")
 
 
+def test_draft_ids_exit_drafts_take_an_id_prefix_int8_drafts_the_shortlist() -> None:
+    cfg = ExitConfig(L, [1], draft_vocab=2, int8_draft_vocab=3, shortlist=[9, 4, 7, 1])
+    assert cfg.draft_ids(10, int8=False) == [0, 1]
+    assert cfg.draft_ids(10, int8=True) == [9, 4, 7]
+    assert ExitConfig(L, [1], shortlist=[9]).draft_ids(10, int8=True) is None  # 0: every id
+    assert ExitConfig(L, [1], draft_vocab=10).draft_ids(10, int8=False) is None  # all of them
+    with pytest.raises(ValueError, match="int8_draft_vocab 3 needs a shortlist"):
+        ExitConfig(L, [1], int8_draft_vocab=3, shortlist=[9, 4])
+
+
+def test_int8_drafts_over_a_draft_vocabulary_keep_output_exact(
+    varied_dir: Path, tmp_path: Path
+) -> None:
+    """``int8_draft_vocab`` over a shortlist that is not a prefix of the ids (Gemma's case): the
+    int8 copy drafts only ids of the upper half, drafts of others are impossible (the
+    verification produces those), and the output stays full depth's."""
+    folder = tmp_path / "m"
+    shutil.copytree(varied_dir, folder)
+    vocab = LLM(str(folder)).engine.model_config.vocab_size
+    upper = list(range(vocab - 1, vocab // 2 - 1, -1))
+    cfg = ExitConfig(
+        L, [2], enabled_by_default=True, default_mode="speculative", default_draft="int8",
+        int8_draft_vocab=len(upper), shortlist=upper,
+    )  # fmt: skip
+    save_sidecar(folder, cfg, None)
+    llm = LLM(str(folder), enable_prefix_caching=False)
+    assert llm.engine.speculative_draft == "int8"
+    prompts = _prompts(4)
+    full = _tokens(llm, prompts, FULL)
+    outs = run_together(llm, prompts, GREEDY, [None] * len(prompts))
+    assert [c.token_ids for c in outs] == full
+    pairs = [(t, a) for c in outs for t, a in zip(c.token_ids, c.draft_accepted or [])]
+    assert any(a for _, a in pairs), "no draft accepted"
+    assert all(t >= vocab // 2 for t, a in pairs if a)
+    assert any(t < vocab // 2 for c in outs for t in c.token_ids), "no draft could miss"
+    assert_engine_clean(llm)
+
+
 @pytest.mark.slow
 def test_real_model_greedy_equals_full_depth() -> None:
     """smollm2 with the int8 drafter: chat prompts one at a time and in one batch; nearly every

@@ -212,11 +212,16 @@ def test_shortlist_command_ranks_what_the_model_produces(
     folder = tmp_path / "model"
     shutil.copytree(tiny_varied_dir, folder)
     argv = ["shortlist", str(folder), "--out", str(folder), "--size", "24", "--prompts", "6"]
-    assert main([*argv, "--max-tokens", "8", "--kv-cache-memory", str(16 * 2**20)]) == 0
+    assert main([*argv, "--int8-draft-vocab", "25"]) == 2  # more than the shortlist holds
+    kv = str(16 * 2**20)
+    assert (
+        main([*argv, "--max-tokens", "8", "--kv-cache-memory", kv, "--int8-draft-vocab", "16"]) == 0
+    )
     found = load_sidecar(folder)
     assert found is not None
     ids = found[0].shortlist
     assert len(ids) == len(set(ids)) == 24
+    assert found[0].draft_ids(10**6, int8=True) == ids[:16]
     llm = make_llm(folder, exit_policy="per_sequence", enable_prefix_caching=False)
     texts = prompt_texts(6, 0, "tune")
     sp = SamplingParams(max_tokens=8, temperature=0.0)

@@ -276,7 +276,7 @@ def test_draft_vocabulary_subset_keeps_output_exact(tuned_dir: Path) -> None:
     lies outside are rejected, the output stays full depth's."""
     llm = _llm(tuned_dir)
     full = _tokens(llm, PROMPTS, FULL)
-    llm.engine.runner.set_draft_vocab(40)
+    llm.engine.runner.set_draft_vocab(list(range(40)))
     ep = ExitParams(mode="speculative", threshold=0.0, measure="classifier")
     outs = _run(llm, PROMPTS, [ep] * len(PROMPTS))
     assert [c.token_ids for c in outs] == full

@@ -1,10 +1,11 @@
 """The int8 drafter of ``speculative_draft="int8"``: the model's own weights, quantised, draft.
 
-Contract: ``Int8Drafter(model, kv, native, dtype)`` is built from the float model *before* the
-runner packs or patches it (it copies the modules, sharing every parameter, and quantises the
-copy's projections and LM head to int8, ``kernels.quant``). ``logits(h0, rot,
-meta)`` runs every layer of the copy over the rows of ``meta`` and returns the draft logits
-[N, V] (float32). It writes the rows' K/V into the shared cache: those are approximate, so the
+Contract: ``Int8Drafter(model, kv, native, dtype, vocab)`` is built from the float model *before*
+the runner packs or patches it (it copies the modules, sharing every parameter, and quantises
+the copy's projections and LM head to int8, ``kernels.quant``; with ``vocab``, the head's rows of
+those token ids only: ``draft_vocab.SubsetHead``). ``logits(h0, rot, meta)`` runs every layer of
+the copy over the rows of ``meta`` and returns the draft logits [N, V] (float32, -inf outside
+``vocab``). It writes the rows' K/V into the shared cache: those are approximate, so the
 drafted positions are owed from layer 1 (``recompute`` KV debt) and the verification, a
 full-depth pass over them, overwrites every layer's K/V with the float model's.
 
@@ -22,6 +23,7 @@ import copy
 import torch
 
 from eeserve.engine.attention import AttnMeta, PagedKVCache
+from eeserve.engine.draft_vocab import SubsetHead
 from eeserve.engine.layer_stack import LayerStack
 from eeserve.kernels.fused import FusedDecoder
 from eeserve.kernels.native import NativeOps
@@ -37,6 +39,7 @@ class Int8Drafter:
         kv: PagedKVCache,
         native: NativeOps | None,
         dtype: torch.dtype,
+        vocab: list[int] | None = None,
     ) -> None:
         # A copy of the modules that shares every parameter (no second float model in memory,
         # not even while loading): quantising the copy replaces its projections with int8 ones
@@ -47,7 +50,11 @@ class Int8Drafter:
             use_native_ops(draft, native)
         quantize_model(draft, native)
         self.model = draft
-        self.lm_head = Int8Linear(model.lm_head.weight, None, native)
+        weight = model.lm_head.weight.detach()  # [V, D]
+        self.lm_head: torch.nn.Module = Int8Linear(weight, None, native)
+        if vocab is not None:
+            rows = Int8Linear(weight[vocab].contiguous(), None, native)
+            self.lm_head = SubsetHead(rows, vocab, weight.shape[0], weight.device)
         fused = FusedDecoder.build(draft, native) if dtype == torch.float32 else None
         self.stack = LayerStack(draft, kv, fused)
         self.num_layers = len(draft.layers)

@@ -49,7 +49,8 @@ class ExitLoop:
         self.stack = stack
         self.lm_head = lm_head
         self.layer_heads = not shared_head and heads is not None and heads.layer_heads
-        # Optional cheaper LM head for speculative drafts: the first V' rows of the vocabulary.
+        # Optional cheaper LM head for speculative drafts: [N, D] -> [N, V] logits, -inf outside
+        # the draft vocabulary (``draft_vocab.SubsetHead``).
         self.draft_head: torch.nn.Module | None = None
         # The exit heads' inputs, logits and confidence measures (shortlist checks included).
         self.checks = ExitChecks(model, lm_head, heads, shared_head)
@@ -253,9 +254,7 @@ class ExitLoop:
         if self.draft_head is None or not drafts:
             return
         inputs = torch.stack([st.exits[s].head_input for s in drafts])  # type: ignore[misc]
-        part = self.draft_head(inputs).float()
-        logits = part.new_full((len(drafts), self.model.config.vocab_size), float("-inf"))
-        logits[:, : part.shape[1]] = part
+        logits = self.draft_head(inputs)  # [n, V]
         for k, s in enumerate(drafts):
             st.exits[s].logits, st.exits[s].head_input = logits[k], None
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.engine.draft_model import Int8Drafter
+from eeserve.engine.draft_vocab import SubsetHead
 from eeserve.engine.exit_checks import shortlist_rows
 from eeserve.engine.exit_loop import ExitLoop
 from eeserve.engine.exit_state import ExitBatch, ExitResult, exit_batch
@@ -104,7 +105,8 @@ class ModelRunner:
         int8 = opts.speculative_draft == "int8"
         self.speculator = Speculator(self.sampler, config.num_layers, int8)
         # Built from the float weights before they are patched, packed or quantised below.
-        self.drafter = Int8Drafter(model, self.kv, native, opts.dtype) if int8 else None
+        vocab = exit_config.draft_ids(config.vocab_size, int8=True) if exit_config else None
+        self.drafter = Int8Drafter(model, self.kv, native, opts.dtype, vocab) if int8 else None
         fills = opts.kv_fill == "fill" and opts.exit_policy != "none" and opts.quantization is None
         filler = KVFiller.build(model) if fills else None
         self.lm_head = self._place_weights(exit_heads)
@@ -119,8 +121,8 @@ class ModelRunner:
         self.exit_loop.filler = filler
         if opts.exit_policy == "auto":
             self.exit_loop.cost = layer_cost(self._cost_key(), self._measure_layer_cost)
-        if exit_config is not None and 0 < exit_config.draft_vocab < config.vocab_size:
-            self.set_draft_vocab(exit_config.draft_vocab)
+        vocab = exit_config.draft_ids(config.vocab_size, int8=False) if exit_config else None
+        self.set_draft_vocab(vocab)
         if exit_config is not None and exit_config.shortlist:
             rows = shortlist_rows(exit_config, config, exit_heads)
             ids = torch.tensor(exit_config.shortlist[:rows], dtype=torch.long, device=self.device)
@@ -169,12 +171,13 @@ class ModelRunner:
         """``norm`` on the engine's kernel where there is one."""
         return norm if self.native is None else NativeRMSNorm(norm, self.native)
 
-    def set_draft_vocab(self, n: int) -> None:
-        """Speculative drafts over the first ``n`` token ids (0: the whole vocabulary); float
-        rows whatever the weights' format (a draft is verified anyway)."""
-        whole = not 0 < n < self.config.vocab_size
-        rows = self.model.lm_head.weight[:n]
-        self.exit_loop.draft_head = None if whole else self._linear(rows, None, int8=False)
+    def set_draft_vocab(self, ids: list[int] | None) -> None:
+        """Exit-head drafts over the token ids ``ids`` (None: all of them), in float rows."""
+        if ids is None:
+            self.exit_loop.draft_head = None
+            return
+        rows = self._linear(self.model.lm_head.weight[ids], None, int8=False)
+        self.exit_loop.draft_head = SubsetHead(rows, ids, self.config.vocab_size, self.device)
 
     def _cost_key(self) -> str:
         """What a layer's cost depends on: the model's shape, the weights' format, the device

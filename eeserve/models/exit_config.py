@@ -34,10 +34,13 @@ class ExitConfig:
     # What drafts in speculative mode when the engine's ``speculative_draft`` is "auto": "exits"
     # (the exit heads) or "int8" (an int8 copy of the model's own weights, at full depth).
     default_draft: str = "exits"
-    # Speculative drafts are projected onto the first ``draft_vocab`` token ids only (a BPE
-    # vocabulary is roughly frequency-ordered); 0: the whole vocabulary. Verification keeps the
-    # output exact whatever the draft head is; a smaller one makes drafting cheaper.
+    # Exit-head drafts are projected onto the first ``draft_vocab`` token ids only (a BPE
+    # vocabulary is roughly frequency-ordered), int8-copy drafts onto the first
+    # ``int8_draft_vocab`` ids of ``shortlist``; 0: the whole vocabulary (``draft_ids``).
+    # Verification keeps the output exact whatever the draft head is; a smaller one makes
+    # drafting cheaper and drafts a token outside it never.
     draft_vocab: int = 0
+    int8_draft_vocab: int = 0
     # Token ids ranked by how often the model produces them (counted from its own text):
     # ``shortlist_*`` measures check the first ``shortlist_size`` of them (0: as many as fit in
     # the engine's check budget, ``CostModel.shortlist_rows``).
@@ -51,6 +54,19 @@ class ExitConfig:
             raise ValueError(
                 f"default_draft must be one of {DRAFT_SOURCES}, got {self.default_draft!r}"
             )
+        if self.int8_draft_vocab > len(self.shortlist):
+            raise ValueError(
+                f"int8_draft_vocab {self.int8_draft_vocab} needs a shortlist of as many ids, "
+                f"not {len(self.shortlist)} (eeserve shortlist --size)"
+            )
+
+    def draft_ids(self, vocab_size: int, int8: bool) -> list[int] | None:
+        """The token ids exit-head (or, with ``int8``, int8-copy) drafts are projected onto;
+        None: every id."""
+        n = self.int8_draft_vocab if int8 else self.draft_vocab
+        if not 0 < n < vocab_size:
+            return None
+        return self.shortlist[:n] if int8 else list(range(n))
 
 
 def default_shared_exit_layers(num_layers: int) -> list[int]:

@@ -4,8 +4,9 @@ Contract: ``count_shortlist(engine, prompts, max_tokens)`` generates the model's
 continuations of the prompts at full depth and ranks the token ids by how often it produced them
 (ties by id; ids it never produced follow in id order, a BPE vocabulary being roughly
 frequency-ordered). ``write_shortlist`` puts the ranking into the exit sidecar at ``out``
-(copying the heads of the sidecar the engine loaded when ``out`` holds none yet). The
-``shortlist_*`` measures read its first ``shortlist_size`` ids (docs/early-exit.md).
+(copying the heads of the sidecar the engine loaded when ``out`` holds none yet), with
+``--int8-draft-vocab`` how many of its ids the int8 copy drafts over. The ``shortlist_*``
+measures read its first ``shortlist_size`` ids (docs/early-exit.md; drafts: docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -58,8 +59,11 @@ def count_shortlist(
     return ranked, sum(counts.values())
 
 
-def write_shortlist(model: str, out: Path, loaded: ExitConfig, ids: list[int]) -> Path:
-    """Store ``ids`` as the shortlist of the sidecar at ``out``; returns its config file."""
+def write_shortlist(
+    model: str, out: Path, loaded: ExitConfig, ids: list[int], int8_draft_vocab: int | None = None
+) -> Path:
+    """Store ``ids`` as the shortlist of the sidecar at ``out`` (and ``int8_draft_vocab`` unless
+    None); returns its config file."""
     found = load_sidecar(out)
     base = found[0] if found is not None else loaded
     if found is None:
@@ -70,7 +74,9 @@ def write_shortlist(model: str, out: Path, loaded: ExitConfig, ids: list[int]) -
                 shutil.copyfile(source / name, out / name)
     out.mkdir(parents=True, exist_ok=True)
     path = out / CONFIG_NAME
-    path.write_text(config_json(dataclasses.replace(base, shortlist=ids)))
+    keep = base.int8_draft_vocab if int8_draft_vocab is None else int8_draft_vocab
+    cfg = dataclasses.replace(base, shortlist=ids, int8_draft_vocab=keep)
+    path.write_text(config_json(cfg))
     return path
 
 
@@ -85,6 +91,13 @@ def add_shortlist_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("model", help="smollm2, smollm2-ee, an HF folder or a .gguf file")
     p.add_argument("--out", required=True, type=Path, help="the exit sidecar folder to write")
     p.add_argument("--size", type=int, default=DEFAULT_SIZE, help="token ids kept, ranked")
+    p.add_argument(
+        "--int8-draft-vocab",
+        type=int,
+        default=None,
+        help="speculative int8-copy drafts over the first N ids of this shortlist (0: the whole "
+        "vocabulary; default: as the sidecar has it)",
+    )
     p.add_argument("--prompts", type=int, default=64, help="offline 'tune' prompts generated")
     p.add_argument("--max-tokens", type=int, default=192, help="tokens per continuation")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt set")
@@ -96,9 +109,11 @@ def add_shortlist_parser(sub: Any) -> argparse.ArgumentParser:
 def run_shortlist(args: argparse.Namespace) -> int:
     if args.size < 1:
         raise ValueError(f"--size must be >= 1, got {args.size}")
+    if not 0 <= (args.int8_draft_vocab or 0) <= args.size:
+        raise ValueError(f"--int8-draft-vocab must be in 0..--size, got {args.int8_draft_vocab}")
     engine = LLMEngine(engine_config(args))
     texts = prompt_texts(args.prompts, args.seed, "tune")
     ids, counted = count_shortlist(engine, texts, args.max_tokens, args.size)
-    path = write_shortlist(args.model, args.out, engine.exit_config, ids)
+    path = write_shortlist(args.model, args.out, engine.exit_config, ids, args.int8_draft_vocab)
     print(f"counted {counted} generated tokens; wrote a {len(ids)}-id shortlist into {path}")
     return 0
