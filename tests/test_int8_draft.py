@@ -53,6 +53,29 @@ def _tokens(llm: LLM, prompts: list, ep: ExitParams, params: SamplingParams = GR
     return [c.token_ids for c in run_together(llm, prompts, params, [ep] * len(prompts))]
 
 
+def _speculative_by_default(
+    source: Path, folder: Path, exits: list[int], thresholds: dict, **extra: object
+) -> LLM:
+    """A copy of ``source`` whose sidecar makes requests speculative with int8 drafts."""
+    shutil.copytree(source, folder)
+    cfg = ExitConfig(
+        L, exits, thresholds=thresholds, enabled_by_default=True,
+        default_mode="speculative", default_draft="int8", **extra,  # type: ignore[arg-type]
+    )  # fmt: skip
+    save_sidecar(folder, cfg, None)
+    llm = LLM(str(folder), enable_prefix_caching=False)
+    assert llm.engine.speculative_draft == "int8"
+    return llm
+
+
+def _default_outputs_equal_full_depth(llm: LLM, prompts: list) -> list:
+    """Requests without exit parameters, in one batch: their tokens are full depth's."""
+    full = _tokens(llm, prompts, FULL)
+    outs = run_together(llm, prompts, GREEDY, [None] * len(prompts))
+    assert [c.token_ids for c in outs] == full
+    return outs
+
+
 @pytest.mark.parametrize("fixture", ["varied_dir", "tiny_qwen2_dir", "tiny_untied_dir"])
 def test_greedy_equals_full_depth_at_batch_1_and_in_batches(
     fixture: str, request: pytest.FixtureRequest
@@ -202,18 +225,9 @@ def test_auto_takes_the_models_default_draft(varied_dir: Path, tmp_path: Path) -
     exit rule exits; ``auto`` falls back to exit drafts without the CPU kernels, on a quantised
     model, with exits off or with bfloat16 activations."""
     folder = tmp_path / "m"
-    shutil.copytree(varied_dir, folder)
-    cfg = ExitConfig(
-        L, [1, 2, 3], thresholds={"softmax_margin": 0.0}, enabled_by_default=True,
-        default_mode="speculative", default_draft="int8",
-    )  # fmt: skip
-    save_sidecar(folder, cfg, None)
-    llm = LLM(str(folder), enable_prefix_caching=False)
-    assert llm.engine.speculative_draft == "int8"
+    llm = _speculative_by_default(varied_dir, folder, [1, 2, 3], {"softmax_margin": 0.0})
     prompts = _prompts(3)
-    full = _tokens(llm, prompts, FULL)
-    outs = run_together(llm, prompts, GREEDY, [None] * len(prompts))
-    assert [c.token_ids for c in outs] == full
+    outs = _default_outputs_equal_full_depth(llm, prompts)
     assert {x for c in outs for x in c.draft_layers or [] if x is not None} == {L}
     (exits,) = run_together(llm, prompts[:1], GREEDY, [ExitParams(threshold=0.0)])
     assert exits.draft_layers is None and min(exits.exit_layers) == 1  # threshold 0: first exit
@@ -240,21 +254,11 @@ def test_int8_drafts_over_a_draft_vocabulary_keep_output_exact(
     """``int8_draft_vocab`` over a shortlist that is not a prefix of the ids (Gemma's case): the
     int8 copy drafts only ids of the upper half, drafts of others are impossible (the
     verification produces those), and the output stays full depth's."""
-    folder = tmp_path / "m"
-    shutil.copytree(varied_dir, folder)
-    vocab = LLM(str(folder)).engine.model_config.vocab_size
+    vocab = LLM(str(varied_dir)).engine.model_config.vocab_size
     upper = list(range(vocab - 1, vocab // 2 - 1, -1))
-    cfg = ExitConfig(
-        L, [2], enabled_by_default=True, default_mode="speculative", default_draft="int8",
-        int8_draft_vocab=len(upper), shortlist=upper,
-    )  # fmt: skip
-    save_sidecar(folder, cfg, None)
-    llm = LLM(str(folder), enable_prefix_caching=False)
-    assert llm.engine.speculative_draft == "int8"
-    prompts = _prompts(4)
-    full = _tokens(llm, prompts, FULL)
-    outs = run_together(llm, prompts, GREEDY, [None] * len(prompts))
-    assert [c.token_ids for c in outs] == full
+    vocab_kw = {"int8_draft_vocab": len(upper), "shortlist": upper}
+    llm = _speculative_by_default(varied_dir, tmp_path / "m", [2], {}, **vocab_kw)
+    outs = _default_outputs_equal_full_depth(llm, _prompts(4))
     pairs = [(t, a) for c in outs for t, a in zip(c.token_ids, c.draft_accepted or [])]
     assert any(a for _, a in pairs), "no draft accepted"
     assert all(t >= vocab // 2 for t, a in pairs if a)
