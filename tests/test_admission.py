@@ -37,6 +37,7 @@ from eeserve.server.engine_loop import ChoiceSpec, EngineLoop
 from eeserve.server.generation import DeadlineExceeded
 from eeserve.server.metrics import ServerMetrics
 from tests.live_server import Server
+from tests.tiny_model import build_tiny_model
 
 KV_BYTES = 4_000_000
 LONG = 480  # tokens: hundreds of engine steps, far longer than any deadline below
@@ -160,11 +161,15 @@ def test_server_request_timeout_flag(tiny_model_dir: Path) -> None:
 
 # One running slot; behind it at most 2 waiting requests holding 300 tokens.
 LIMIT_ARGS = ("--max-num-seqs", "1", "--max-waiting-requests", "2", "--max-queued-tokens", "300")
+HOLD = 6000  # tokens of the stream that holds the running slot (seconds of engine steps)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[Server]:
-    srv = Server(tiny_model_dir, *LIMIT_ARGS)
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # A context long enough for a stream that holds the slot for seconds (HOLD), whatever the
+    # machine's speed: the tests below queue requests behind it.
+    folder = build_tiny_model(tmp_path_factory.mktemp("admission") / "m", max_pos=HOLD + 64)
+    srv = Server(folder, *LIMIT_ARGS)
     yield srv
     assert srv.stop(signal.SIGINT) == 0, srv.output()
 
@@ -211,7 +216,7 @@ def test_over_the_limits_is_429_with_retry_after(server: Server) -> None:
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=base, timeout=120) as c:
-            async with _running_stream(c, {**body, "max_tokens": LONG}):
+            async with _running_stream(c, {**body, "max_tokens": HOLD}):
                 await _until(base, waiting, 0)
                 # Waits behind the stream (cost 1 + 150 tokens of the 300).
                 behind = asyncio.create_task(
@@ -223,10 +228,16 @@ def test_over_the_limits_is_429_with_retry_after(server: Server) -> None:
                     c.post("/v1/completions", json={**body, "max_tokens": 100})
                 )
                 await _until(base, waiting, 2)
-                one_more = await c.post("/v1/completions", json={**body, "max_tokens": 1})
-                chat = await c.post(
-                    "/v1/chat/completions",
-                    json={"model": server.model, "messages": [{"role": "user", "content": "x"}]},
+                # Both at once, while the stream still holds the slot (it ends within a second).
+                one_more, chat = await asyncio.gather(
+                    c.post("/v1/completions", json={**body, "max_tokens": 1}),
+                    c.post(
+                        "/v1/chat/completions",
+                        json={
+                            "model": server.model,
+                            "messages": [{"role": "user", "content": "x"}],
+                        },
+                    ),
                 )
             return [too_big, one_more, chat, await behind, await fits]
 
@@ -259,7 +270,7 @@ def test_request_timeout_field_aborts_waiting_and_streaming(server: Server) -> N
 
     async def run() -> tuple[httpx.Response, list[str]]:
         async with httpx.AsyncClient(base_url=base, timeout=120) as c:
-            async with _running_stream(c, {**body, "max_tokens": LONG}):
+            async with _running_stream(c, {**body, "max_tokens": HOLD}):
                 whole = await c.post("/v1/completions", json={**body, "request_timeout": 0.001})
                 req = c.build_request(
                     "POST",
