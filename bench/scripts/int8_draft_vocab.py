@@ -1,10 +1,12 @@
-"""Batch-1 speculative decoding with int8 drafts whose LM head covers N ids of a shortlist,
-alternated with full depth: decode tok/s per run, medians, and the share of drafts accepted.
-Every speculative run's tokens are checked equal to full depth's.
+"""Batch-1 speculative decoding with int8 drafts whose LM head covers the first N ids of the
+model's shortlist (``ExitConfig.int8_draft_vocab = N``), alternated with full depth: decode tok/s
+per run, medians, and the share of drafts accepted. Every speculative run's tokens are checked
+equal to full depth's.
 Usage: [SIDECAR=DIR] int8_draft_vocab.py MODEL SIZES [ROUNDS]
-  SIZES: comma-separated N (0: the whole head); N ids come from the shortlist of the sidecar at
-  DIR (default: the model's packaged one) when it ranks that many, else ids 0 .. N-1."""
+  SIZES: comma-separated N (0: the whole head); the shortlist is the sidecar's at DIR (default:
+  the model's packaged one) and must hold at least the largest N."""
 
+import dataclasses
 import os
 import statistics as st
 import sys
@@ -16,10 +18,10 @@ from transformers import AutoTokenizer
 from eeserve.bench.measure import run_engine
 from eeserve.bench.report_run import build_prompts
 from eeserve.config import EngineConfig
-from eeserve.engine.draft_vocab import SubsetHead
+from eeserve.engine.draft_model import int8_head
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.exit_params import ExitParams
-from eeserve.kernels.quant import Int8Linear
+from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import load_sidecar
 from eeserve.models.loader import packaged_sidecar, resolve_model
 
@@ -36,16 +38,16 @@ runner = engine.runner
 assert runner.drafter is not None
 folder = Path(os.environ["SIDECAR"]) if "SIDECAR" in os.environ else packaged_sidecar(model)
 found = load_sidecar(folder) if folder else None
-shortlist = found[0].shortlist if found else []
+exits = found[0] if found else ExitConfig(runner.config.num_layers, [])
 weight = runner.model.lm_head.weight.detach()  # [V, D]
-heads: dict[int, torch.nn.Module] = {}
-for n in sizes:
-    if n == 0:
-        heads[n] = Int8Linear(weight.contiguous(), None, runner.native)
-        continue
-    ids = shortlist[:n] if len(shortlist) >= n else list(range(n))
-    rows = Int8Linear(weight[ids].contiguous(), None, runner.native)
-    heads[n] = SubsetHead(rows, ids, weight.shape[0], weight.device)
+heads = {
+    n: int8_head(
+        weight,
+        dataclasses.replace(exits, int8_draft_vocab=n).draft_ids(weight.shape[0], int8=True),
+        runner.native,
+    )
+    for n in sizes
+}
 full, spec = ExitParams(enabled=False), ExitParams(mode="speculative")
 res: dict[str, list[float]] = {}
 for _ in range(rounds):

@@ -3,7 +3,7 @@
 Contract: ``Int8Drafter(model, kv, native, dtype, vocab)`` is built from the float model *before*
 the runner packs or patches it (it copies the modules, sharing every parameter, and quantises
 the copy's projections and LM head to int8, ``kernels.quant``; with ``vocab``, the head's rows of
-those token ids only: ``draft_vocab.SubsetHead``). ``logits(h0, rot, meta)`` runs every layer of
+those token ids only: ``int8_head``). ``logits(h0, rot, meta)`` runs every layer of
 the copy over the rows of ``meta`` and returns the draft logits [N, V] (float32, -inf outside
 ``vocab``). It writes the rows' K/V into the shared cache: those are approximate, so the
 drafted positions are owed from layer 1 (``recompute`` KV debt) and the verification, a
@@ -32,6 +32,17 @@ from eeserve.kernels.quant import Int8Linear, quantize_model
 from eeserve.models.llama import LlamaForCausalLM, Rotary
 
 
+def int8_head(
+    weight: torch.Tensor, vocab: list[int] | None, native: NativeOps | None
+) -> torch.nn.Module:
+    """The int8 draft head of the LM head ``weight`` [V, D]: every row, or (``vocab``) the rows
+    of those token ids, with logits -inf elsewhere."""
+    if vocab is None:
+        return Int8Linear(weight, None, native)
+    rows = Int8Linear(weight[vocab].contiguous(), None, native)
+    return SubsetHead(rows, vocab, weight.shape[0], weight.device)
+
+
 class Int8Drafter:
     def __init__(
         self,
@@ -50,11 +61,7 @@ class Int8Drafter:
             use_native_ops(draft, native)
         quantize_model(draft, native)
         self.model = draft
-        weight = model.lm_head.weight.detach()  # [V, D]
-        self.lm_head: torch.nn.Module = Int8Linear(weight, None, native)
-        if vocab is not None:
-            rows = Int8Linear(weight[vocab].contiguous(), None, native)
-            self.lm_head = SubsetHead(rows, vocab, weight.shape[0], weight.device)
+        self.lm_head = int8_head(model.lm_head.weight.detach(), vocab, native)
         fused = FusedDecoder.build(draft, native) if dtype == torch.float32 else None
         self.stack = LayerStack(draft, kv, fused)
         self.num_layers = len(draft.layers)
