@@ -96,6 +96,12 @@ class EngineConfig:
     cpu_kernels: bool = _option(
         True, "the engine's own CPU kernels (built once per machine); off: PyTorch ops only"
     )
+    screen_head: bool = _option(
+        True,
+        "greedy steps without logprobs take their tokens from an int8 screen of the float LM head "
+        "and the float rows that can still be the maximum (the same tokens as the whole head; CPU "
+        "kernels, float32)",
+    )
     quantization: str | None = _option(
         None,
         "weight-only int8 projections and LM head at load (activations stay in --dtype)",

@@ -101,6 +101,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def argmax_only(self) -> bool:
+        """Only the argmax of a step's logits is read: greedy, no logprobs."""
+        return self.greedy and self.logprobs is None
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)

@@ -36,6 +36,13 @@ def test_smollm2_reads_about_540_mb_in_float32_and_150_in_int8(tmp_path: Path) -
     assert 535e6 < f32 < 540e6
     assert int8 == round(matrices * INT8_BYTES_PER_WEIGHT) + 4 * norms
     assert 150e6 < int8 < 152e6
+    # Greedy float32 steps read the head through its int8 screen: the int8 head, a scale per id.
+    screened = engine_bytes_per_token(tmp_path, "float32", screened_head=True)
+    head = 49152 * 576
+    assert (
+        screened
+        == round((matrices - head) * 4 + head * INT8_BYTES_PER_WEIGHT + 4 * 49152) + 4 * norms
+    )
     with pytest.raises(ValueError, match="scheme"):
         engine_bytes_per_token(tmp_path, "int4")
 

@@ -38,6 +38,7 @@ from eeserve.bench.perplexity import heldout_perplexity
 from eeserve.bench.roofline import engine_bytes_per_token, gguf_bytes_per_token, read_bandwidth
 from eeserve.config import EngineConfig
 from eeserve.engine.llm_engine import LLMEngine
+from eeserve.kernels.screened_head import ScreenedHead
 from eeserve.models.loader import resolve_model
 from eeserve.tuning.prompts import fixed_length_ids, prompt_texts
 
@@ -85,6 +86,22 @@ def _order_and_pairs(ggufs: dict[str, Path]) -> tuple[list[str], list[Pair]]:
     as it reads fewer bytes a token than int8 does."""
     own = [f"llama.cpp {fmt}" for fmt in ggufs if fmt not in ("F32", "Q8_0")]
     return [*ORDER, *own], [*PAIRS, *(("eeserve int8", label) for label in own)]
+
+
+def screens_head(engine: LLMEngine) -> bool:
+    """Does the engine read its LM head through an int8 screen (``kernels.screened_head``)?"""
+    return isinstance(engine.runner.lm_head, ScreenedHead)
+
+
+def _engine_bytes(folder: Path, engines: dict[str, LLMEngine]) -> dict[str, int]:
+    """Bytes a batch-1 step of each engine reads (greedy float32 steps read the LM head through
+    its int8 screen where there is one)."""
+    out = {}
+    for scheme in ("float32", "int8"):
+        engine = engines.get(f"eeserve {scheme}")
+        if engine is not None:
+            out[f"eeserve {scheme}"] = engine_bytes_per_token(folder, scheme, screens_head(engine))
+    return out
 
 
 def _engines(args: argparse.Namespace, formats: set[str], max_batch: int) -> dict[str, LLMEngine]:
@@ -164,7 +181,8 @@ def bench_peer(args: argparse.Namespace) -> dict[str, Any]:
     runners: dict[str, Runner] = {
         f"llama.cpp {fmt}": _peer_runner(tools, path, threads, args) for fmt, path in ggufs.items()
     }
-    for label, engine in _engines(args, set(ggufs), max(batches)).items():
+    engines = _engines(args, set(ggufs), max(batches))
+    for label, engine in engines.items():
         for b in batches:  # warm-up: kernels built, caches touched, every batch shape seen once
             run_engine(engine, prompts[:b], 4)
         runners[label] = _engine_runner(engine, label, prompts, args.max_tokens, last)
@@ -176,9 +194,7 @@ def bench_peer(args: argparse.Namespace) -> dict[str, Any]:
               flush=True)  # fmt: skip
         rounds.append(_round(runners, batches, order))
     nbytes = {f"llama.cpp {fmt}": gguf_bytes_per_token(path) for fmt, path in ggufs.items()}
-    for scheme in ("float32", "int8"):
-        if f"eeserve {scheme}" in runners:
-            nbytes[f"eeserve {scheme}"] = engine_bytes_per_token(folder, scheme)
+    nbytes |= _engine_bytes(folder, engines)
     rows = summarise(rounds, pairs)
     roofline = roofline_rows(rounds, bandwidths, nbytes)
     print_summary(rows, roofline, len(rounds))

@@ -6,7 +6,9 @@ PyTorch threads, best of ``repeats``, in bytes/s. ``engine_bytes_per_token(folde
 what this engine reads per decode step at batch 1 for ``scheme`` ``"float32"`` or ``"int8"``:
 every decoder projection (Q, K, V, O, gate, up, down) and the LM head, at 4 bytes a weight in
 float32 and 1 + 4/32 bytes in int8 (an int8 weight plus one float32 scale per 32,
-``kernels.quant``); norms are counted in float32. ``gguf_bytes_per_token(path)`` is the same for
+``kernels.quant``); norms are counted in float32. ``screened_head=True`` counts a float32
+engine's greedy steps, whose LM head is read through its int8 screen (``kernels.screened_head``):
+the int8 head plus one float32 scale per id. ``gguf_bytes_per_token(path)`` is the same for
 llama.cpp: every tensor of the file at its stored size, the embedding table counted once as the
 LM head when the model is tied (``output.weight`` absent) and not at all otherwise. Both leave
 out the one embedding row a token reads and the KV cache (at batch 1 and a short context, a few
@@ -55,6 +57,12 @@ def read_bandwidth(threads: int, repeats: int = 5, size_bytes: int | None = None
 
 def weights_per_token(config: dict) -> tuple[int, int]:
     """(projection + LM head weights, norm weights) one decode step reads, from ``config.json``."""
+    matrices, head, norms = _weights(config)
+    return matrices + head, norms
+
+
+def _weights(config: dict) -> tuple[int, int, int]:
+    """(projection weights, LM head weights, norm weights) of ``config.json``."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -62,15 +70,23 @@ def weights_per_token(config: dict) -> tuple[int, int]:
     attn = hidden * head_dim * (2 * heads + 2 * kv_heads)  # Q and O, K and V
     mlp = 3 * hidden * inter  # gate, up, down
     norms = layers * 2 * hidden + hidden
-    return layers * (attn + mlp) + vocab * hidden, norms
+    return layers * (attn + mlp), vocab * hidden, norms
 
 
-def engine_bytes_per_token(folder: Path, scheme: str) -> int:
+def engine_bytes_per_token(folder: Path, scheme: str, screened_head: bool = False) -> int:
     if scheme not in ("float32", "int8"):
         raise ValueError(f"scheme must be float32 or int8, got {scheme!r}")
-    matrices, norms = weights_per_token(json.loads((folder / "config.json").read_text()))
+    config = json.loads((folder / "config.json").read_text())
+    matrices, head, norms = _weights(config)
     per_weight = 4.0 if scheme == "float32" else INT8_BYTES_PER_WEIGHT
-    return round(matrices * per_weight) + 4 * norms
+    # The screened head reads its int8 copy and one float32 scale per id for the bound (a few
+    # float tiles besides: under 0.1% here).
+    head_bytes = (
+        head * INT8_BYTES_PER_WEIGHT + 4 * config["vocab_size"]
+        if screened_head
+        else head * per_weight
+    )
+    return round(matrices * per_weight + head_bytes) + 4 * norms
 
 
 def gguf_bytes_per_token(path: Path) -> int:

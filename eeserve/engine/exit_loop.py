@@ -26,6 +26,7 @@ from eeserve.engine.layer_cost import LayerCost
 from eeserve.engine.layer_stack import LayerStack
 from eeserve.engine.plan import ExitPlan
 from eeserve.engine.policy import decide
+from eeserve.kernels.screened_head import head_logits
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, Rotary
 
@@ -236,7 +237,8 @@ class ExitLoop:
             parts.append(self.model.final_norm(st.running.take(pos + [v[0] for v in verify])))
         if pending:
             parts.append(torch.stack([st.exits[s].head_input for s in pending]))  # type: ignore[misc]
-        logits = self.lm_head(parts[0] if len(parts) == 1 else torch.cat(parts)).float()
+        x = parts[0] if len(parts) == 1 else torch.cat(parts)
+        logits = head_logits(self.lm_head, x, b.argmax_only)
         if verify:
             logits = self._split_verify(logits, len(pos), verify, st)
         if len(owners) == len(st.exits):  # no logits came from a check: at most a reorder

@@ -47,6 +47,7 @@ class ExitBatch:
     # Sequences whose row is a prompt's (first token or a chunk): never checked, and no part of
     # the batch that ``batch_all`` waits for.
     prefill: set[int] = field(default_factory=set)
+    argmax_only: bool = False  # only the logits' argmax is read (kernels.screened_head)
     sampled: dict[int, int] = field(init=False)  # sampled row -> its sequence
 
     def __post_init__(self) -> None:
@@ -74,6 +75,7 @@ def exit_batch(
     policy: str,
     fill: bool,
     num_layers: int,
+    argmax_only: bool = False,
 ) -> ExitBatch | None:
     """The exit rules of one pass, or None when every row runs to full depth. ``plans``: per
     sequence, the exit plan of this step (None: no check); ``owed_hidden``: per sequence id, the
@@ -99,6 +101,7 @@ def exit_batch(
         passengers,
         {i for i, s in enumerate(seqs) if s.spec is not None},
         {i for i, d in enumerate(decoding) if not d},
+        argmax_only,
     )
 
 

@@ -117,6 +117,22 @@ def measure_layer_cost(
     return LayerCost(ROWS, tuple(layer_s), tuple(fill_s))
 
 
+def measure_model_layers(
+    layers: list[LlamaDecoderLayer], d: int, cos: torch.Tensor, sin: torch.Tensor
+) -> LayerCost:
+    """``measure_layer_cost`` on seeded random hidden states [n, d] at positions 0..n-1; cos
+    and sin [positions, head_dim] are the model's rotary tables (on its device and dtype)."""
+
+    def hidden(n: int) -> torch.Tensor:
+        h = torch.randn(n, d, generator=torch.Generator().manual_seed(n))
+        return h.to(cos.device, cos.dtype)
+
+    def rotary(n: int) -> Rotary:
+        return Rotary(cos[:n], sin[:n])
+
+    return measure_layer_cost(layers, hidden, rotary)
+
+
 def layer_cost(key: str, measure: Callable[[], LayerCost]) -> LayerCost:
     """The kept measurement for ``key``, measured (and kept) on first use."""
     path = eeserve_home() / "layer_costs" / f"{key}.json"

@@ -129,6 +129,7 @@ class LLMEngine:
             config.cpu_kernels,
             config.quantization,
             self.speculative_draft,
+            config.screen_head,
         )
         self.runner = ModelRunner(model, mcfg, opts, self.exit_config, heads)
         self.scheduler = Scheduler(self._scheduler_config(), self.block_manager)

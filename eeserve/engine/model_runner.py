@@ -25,7 +25,7 @@ from eeserve.engine.exit_checks import shortlist_rows
 from eeserve.engine.exit_loop import ExitLoop
 from eeserve.engine.exit_state import ExitBatch, ExitResult, exit_batch
 from eeserve.engine.kv_fill import KVFiller
-from eeserve.engine.layer_cost import LayerCost, layer_cost, measure_layer_cost
+from eeserve.engine.layer_cost import layer_cost, measure_model_layers
 from eeserve.engine.layer_stack import LayerStack
 from eeserve.engine.runner_output import RunnerOutput, SeqStep
 from eeserve.engine.sampler import Sampler, token_logprobs
@@ -43,6 +43,7 @@ from eeserve.kernels.packing import (
     use_native_ops,
 )
 from eeserve.kernels.quant import Int8Linear, quantize_linears, quantize_model
+from eeserve.kernels.screened_head import head_logits, screened
 from eeserve.models.config import ModelConfig, rope_tables
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import ExitHeads
@@ -63,6 +64,7 @@ class RunnerOptions:
     cpu_kernels: bool = True
     quantization: str | None = None
     speculative_draft: str = "exits"  # resolved: "exits" or "int8"
+    screen_head: bool = True  # greedy steps: int8 screen + exact float rows (kernels.screened_head)
 
 
 @dataclass
@@ -120,7 +122,9 @@ class ModelRunner:
         self.exit_loop = ExitLoop(model, self.kv, self.lm_head, exit_heads, shared, self.stack)
         self.exit_loop.filler = filler
         if opts.exit_policy == "auto":
-            self.exit_loop.cost = layer_cost(self._cost_key(), self._measure_layer_cost)
+            d = config.hidden_size
+            measure = partial(measure_model_layers, model.layers, d, self.cos, self.sin)
+            self.exit_loop.cost = layer_cost(self._cost_key(), measure)
         vocab = exit_config.draft_ids(config.vocab_size, int8=False) if exit_config else None
         self.set_draft_vocab(vocab)
         if exit_config is not None and exit_config.shortlist:
@@ -153,7 +157,9 @@ class ModelRunner:
             pack_for_cpu(model, native)
             if exit_heads is not None:
                 pack_linears(exit_heads, native)
-            return PackedLinear(model.lm_head.weight, None, native)
+            head = PackedLinear(model.lm_head.weight, None, native)
+            drafter_head = self.drafter.lm_head if self.drafter is not None else None
+            return screened(head, model.lm_head.weight, drafter_head) if opts.screen_head else head
         return model.lm_head
 
     def _linear(
@@ -190,19 +196,6 @@ class ModelRunner:
             f"-{o.quantization or 'float'}-{kernels}-{o.device.type}-t{torch.get_num_threads()}"
             f"-l{c.num_layers}"
         )
-
-    def _measure_layer_cost(self) -> LayerCost:
-        d = self.config.hidden_size
-
-        def hidden(n: int) -> torch.Tensor:
-            return torch.randn(n, d, generator=torch.Generator().manual_seed(n)).to(
-                self.device, self.dtype
-            )
-
-        def rotary(n: int) -> Rotary:
-            return Rotary(self.cos[:n], self.sin[:n])
-
-        return measure_layer_cost(self.model.layers, hidden, rotary)
 
     def release(self, seq_id: int) -> None:
         """Forget per-request tensors (sampling generator, draft distributions, owed hidden)."""
@@ -266,16 +259,19 @@ class ModelRunner:
         h_last = h[rows[0] :] if rows == list(range(rows[0], h.shape[0])) else h[rows]
         return self.model.final_norm(h_last), h.shape[0] * self.config.num_layers
 
-    def logits(self, normed: torch.Tensor, live: list[bool] | None = None) -> torch.Tensor:
-        """[S, D] final-normed hidden -> [S, V] float32 logits. Rows not ``live`` (a prompt chunk
+    def logits(
+        self, normed: torch.Tensor, live: list[bool] | None = None, argmax_only: bool = False
+    ) -> torch.Tensor:
+        """[S, D] final-normed hidden -> [S, V] float32 logits (``argmax_only``: exact only where
+        a row's maximum can be, ``kernels.screened_head``). Rows not ``live`` (a prompt chunk
         short of its last token: nothing reads them) stay zero rather than pay a pass over the
         LM head's weights (~4 ms on CPU for a chunk alone)."""
         if live is None or all(live):
-            return self.lm_head(normed).float()  # type: ignore[no-any-return]
+            return head_logits(self.lm_head, normed, argmax_only)
         out = torch.zeros(len(live), self.config.vocab_size, device=normed.device)
         rows = [i for i, ok in enumerate(live) if ok]
         if rows:
-            out[rows] = self.lm_head(normed[rows]).float()
+            out[rows] = head_logits(self.lm_head, normed[rows], argmax_only)
         return out
 
     @torch.inference_mode()
@@ -311,12 +307,13 @@ class ModelRunner:
         """The float model's pass over ``seqs`` (exits, verifications, prompt chunks)."""
         batch = self.prepare(seqs, counts)
         full = self.config.num_layers
-        eb = self._exit_batch(seqs, batch, sampling)
+        argmax_only = all(s.sampling_params.argmax_only for s in seqs)
+        eb = self._exit_batch(seqs, batch, sampling, argmax_only)
         res: ExitResult | None = None
         layer_passes = full
         if eb is None:
             normed, layers_run = self.forward(batch)
-            logits = self.logits(normed, sampling)
+            logits = self.logits(normed, sampling, argmax_only)
             steps = [SeqStep(None, full) for _ in seqs]
         else:
             h0, rot = self._inputs(batch)
@@ -332,7 +329,7 @@ class ModelRunner:
         return RunnerOutput(steps, layers_run, layer_passes)
 
     def _exit_batch(
-        self, seqs: list[Sequence], batch: Batch, sampling: list[bool]
+        self, seqs: list[Sequence], batch: Batch, sampling: list[bool], argmax_only: bool
     ) -> ExitBatch | None:
         """Exit rules of this step, or None when every row runs to full depth."""
         if self.opts.exit_policy == "none":
@@ -352,6 +349,7 @@ class ModelRunner:
             self.opts.exit_policy,
             self.opts.kv_fill == "fill",
             self.config.num_layers,
+            argmax_only,
         )
 
     def _keep_debts(

@@ -98,6 +98,14 @@ struct Kernel {
   }
 };
 
+// Every range of tiles runs through this one compiled body, in a worker or inline (one thread,
+// or one tile): with -ffast-math the loop inlined at two call sites could be compiled to two
+// summation orders, and an output's value must not depend on how many tiles the call has
+// (kernels/screened_head.py recomputes a few tiles of the LM head and needs the same bits).
+__attribute__((noinline)) void run_tiles(const LinearArgs& a, int64_t lo, int64_t hi) {
+  for (int64_t t = lo; t < hi; ++t) eeserve_tiles::channel_tile<Kernel>(a, t * NV * CB);
+}
+
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                       int64_t n) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == CB && x.size(1) == w.size(1),
@@ -111,9 +119,7 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const c10::optio
   at::Tensor y = at::empty({M, n}, xc.options());
   const LinearArgs a{xc.data_ptr<float>(), w.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
                y.data_ptr<float>(), M, K, n};
-  at::parallel_for(0, w.size(0) / NV, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) eeserve_tiles::channel_tile<Kernel>(a, t * NV * CB);
-  });
+  at::parallel_for(0, w.size(0) / NV, 1, [&](int64_t lo, int64_t hi) { run_tiles(a, lo, hi); });
   return y;
 }
 

@@ -1,0 +1,128 @@
+"""Greedy tokens from a float32 LM head at about a quarter of its bytes: an int8 screen, then the
+float rows that can still hold the maximum.
+
+Contract: ``ScreenedHead(head, weight, ops)`` wraps a float32 LM head ``head`` on the engine's
+kernel (a ``PackedLinear`` with ``ops``) whose weight is ``weight`` [V, D].
+- ``forward(x)`` is ``head(x)``: every logit, as before (logprobs, sampling, exit measures).
+- ``top(x)`` [M, V] float32: in each row, logits bitwise equal to ``head(x)``'s at every id that
+  can be that row's maximum (and at the other ids of the same 32-id tiles), -inf elsewhere. So
+  ``top(x).argmax(-1) == head(x).argmax(-1)``, ties included (argmax takes the first index, and
+  every id that ties with the maximum is kept).
+``screened(head, weight)`` wraps a head where it can be screened, and
+``head_logits(head, x, argmax_only)`` is what callers use: ``top`` where the head is screened
+and only the argmax is read, the full head otherwise.
+
+How: an int8 copy of the head (``kernels.quant``: groups of 32 inputs, activations rounded to
+int16) gives approximate logits a_i, and a rigorous bound b_i >= |head(x)_i - a_i| comes from the
+scales: per group g of 32 inputs of row i with scale s_ig, the weights' rounding adds at most
+s_ig / 2 * ||x_g||_1 and the activations' at most 127 s_ig * 32 * amax(x_g) / 65534; float
+summation in either kernel is covered by a margin of 254 K 2^-24 s_ig ||x_g||_1 (at most K
+rounding steps of 2^-24 over sum |w x| <= 127 s_ig ||x_g||_1, twice), and the bound's own float
+arithmetic by a factor 1 + 2^-8. Each s_ig is bounded by the row's largest, so b is one number
+per row of x times one per id (4 bytes an id to read, not 4 per 32 weights). The maximum's id m
+has a_m + b_m >= head(x)_m >= head(x)_j >= a_j - b_j for every j, so it is among the ids whose
+a_i + b_i reach max_j (a_j - b_j). Those ids' tiles of 32 rows then run through the same float
+kernel on the same rows of x (its arithmetic per output depends only on x's row count and that
+output's weights: ``csrc/f32_ops.cpp``), so their logits are the full head's, bit for bit. On
+SmolLM2-135M and Gemma-3-270M text the screen keeps 8 and 21 ids a row on average (at most 82
+and 192 over 1,024 positions; the bound is ~300x the largest error seen), so a step reads the
+int8 head (1 + 4/32 bytes a weight) and a few float tiles instead of 4 bytes a weight. With more
+than ``MAX_ROWS`` rows, or when more than ``MAX_TILE_SHARE`` of the tiles would be kept, the
+full head runs instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eeserve.kernels.native import NativeOps
+from eeserve.kernels.packing import TILE, PackedLinear
+from eeserve.kernels.quant import GROUP_SIZE, Int8Linear, quantize_int8
+
+# Beyond this share of kept tiles the float pass over them costs about what the full head does.
+MAX_TILE_SHARE = 0.25
+# Beyond this many rows the screen's [M, V] temporaries and the int8 pass cost more than they
+# save: measured on Gemma-3-270M's head (2 cores), 1 row 7.7 ms screened against 23 ms, 8 rows
+# 13 against 26, 32 rows ~90 against 54.
+MAX_ROWS = 16
+# |q| <= 127 over a group of 32 inputs, each activation off by at most amax / 65534.
+_ACTIVATION_TERM = 127 * GROUP_SIZE / 65534
+_MARGIN = 1 + 2**-8
+
+
+class ScreenedHead(nn.Module):
+    def __init__(
+        self,
+        head: PackedLinear,
+        weight: torch.Tensor,
+        ops: NativeOps,
+        screen: Int8Linear | None = None,
+    ) -> None:
+        super().__init__()
+        assert head.ops is not None, "the screen needs the float head on the engine's kernel"
+        self.head, self.ops = head, ops
+        self.vocab_size, self.in_features = weight.shape
+        w = weight.detach()
+        # Reuse an int8 copy of the same weight when there is one (the int8 drafter's head).
+        self.screen = screen if screen is not None else Int8Linear(w, None, ops)
+        _, scale = quantize_int8(w)  # [V, G], what the screen's kernel multiplies by
+        # One scale per row for the bound (the largest of the row's): a bound [M, V] then costs
+        # 4 bytes a row, not 4 per 32 weights, for a few more ids kept (3.5 -> 7.5 on average).
+        self.row_scale = scale.amax(dim=1)  # [V]
+        # Tiles of 32 output rows: [T, 2 blocks, K, 16] view of the packed float weight.
+        self.tiles = head.packed.view(-1, 2, self.in_features, TILE // 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)  # type: ignore[no-any-return]
+
+    def bound(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> b [M, V] with |head(x) - screen(x)| <= b (module docstring)."""
+        m, k = x.shape
+        ax = x.abs().float()
+        width = -(-k // GROUP_SIZE) * GROUP_SIZE
+        chunk_max = F.pad(ax, (0, width - k)).view(m, -1, GROUP_SIZE).amax(-1)  # [M, chunks]
+        coeff = ax.sum(-1) * (0.5 + 254 * k * 2**-24) + chunk_max.sum(-1) * _ACTIVATION_TERM
+        return torch.outer(coeff * _MARGIN, self.row_scale)
+
+    def top(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, V]: the full head's logits where a row's maximum can be, -inf
+        elsewhere (module docstring)."""
+        x = x.reshape(-1, self.in_features).float().contiguous()
+        if x.shape[0] > MAX_ROWS:
+            return self.head(x)  # type: ignore[no-any-return]
+        approx = self.screen(x).float()  # [M, V]
+        b = self.bound(x)
+        floor = (approx - b).amax(dim=-1, keepdim=True)  # [M, 1]: no maximum lies below it
+        keep = approx.add_(b).ge_(floor)  # [M, V] bool
+        num_tiles = self.tiles.shape[0]
+        width = num_tiles * TILE
+        kept = F.pad(keep, (0, width - self.vocab_size)).view(-1, num_tiles, TILE).any(-1).any(0)
+        ids = kept.nonzero().flatten()  # [n] tile indices
+        if ids.numel() > MAX_TILE_SHARE * num_tiles:
+            return self.head(x)  # type: ignore[no-any-return]
+        weights = self.tiles[ids].reshape(-1, self.in_features, TILE // 2)
+        exact = self.ops.f32_linear(x, weights, None, ids.numel() * TILE)  # [M, n * 32]
+        cols = (ids[:, None] * TILE + torch.arange(TILE, device=x.device)).flatten()
+        valid = cols < self.vocab_size  # the last tile may run past V
+        out = torch.full((x.shape[0], self.vocab_size), float("-inf"), device=x.device)
+        out[:, cols[valid]] = exact[:, valid]
+        return out
+
+
+def screened(head: PackedLinear, weight: torch.Tensor, int8: nn.Module | None = None) -> nn.Module:
+    """``head`` with a screen when it runs on the engine's kernel, else ``head`` itself. ``int8``:
+    an int8 copy of ``weight`` that exists anyway (the int8 drafter's head), shared when it is
+    one (an ``Int8Linear`` over every row)."""
+    if head.ops is None:
+        return head
+    return ScreenedHead(head, weight, head.ops, int8 if isinstance(int8, Int8Linear) else None)
+
+
+def head_logits(head: nn.Module, x: torch.Tensor, argmax_only: bool) -> torch.Tensor:
+    """[M, D] -> [M, V] float32 logits: screened (``ScreenedHead.top``) when only their argmax
+    is read and the head has a screen, every logit otherwise."""
+    if argmax_only and isinstance(head, ScreenedHead):
+        return head.top(x)
+    return head(x).float()  # type: ignore[no-any-return]

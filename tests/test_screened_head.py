@@ -1,0 +1,102 @@
+"""The screened LM head (eeserve/kernels/screened_head.py): its argmax is the float head's, ties
+included, its kept logits are the float head's bit for bit, and the engine's greedy tokens do not
+change with it. The real models' HF oracles (tests/test_real_model.py, tests/test_gemma3_real.py)
+run greedy requests through it too."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from eeserve.kernels.native import NativeOps, load
+from eeserve.kernels.packing import PackedLinear
+from eeserve.kernels.screened_head import MAX_ROWS, ScreenedHead, head_logits
+from eeserve.sampling_params import SamplingParams
+from tests.tiny_model import make_llm, random_prompt
+
+if os.environ.get("EESERVE_NATIVE") == "0":
+    pytest.skip("CPU kernels switched off (EESERVE_NATIVE=0)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def ops() -> NativeOps:
+    native = load()
+    assert native is not None, "the CPU kernels did not build (see the log for the error)"
+    return native
+
+
+def head_pair(
+    ops: NativeOps, vocab: int, dim: int, seed: int
+) -> tuple[torch.Tensor, PackedLinear, ScreenedHead]:
+    g = torch.Generator().manual_seed(seed)
+    # Rows of different norms, like a trained head: some ids stand out for a given direction.
+    w = torch.randn(vocab, dim, generator=g) * torch.rand(vocab, 1, generator=g) * 0.2
+    head = PackedLinear(w, None, ops)
+    return w, head, ScreenedHead(head, w, ops)
+
+
+def peaked_inputs(w: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
+    """Hidden states that point at some rows of ``w``, as a confident model's do."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, w.shape[0], (rows,), generator=g)
+    return w[ids] * 30 + torch.randn(rows, w.shape[1], generator=g)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 12, MAX_ROWS])
+@pytest.mark.parametrize("dim", [64, 72])  # 72: not a multiple of 32, one scale per row
+def test_top_keeps_the_float_heads_argmax_and_bits(ops: NativeOps, rows: int, dim: int) -> None:
+    w, head, screened = head_pair(ops, 8000, dim, seed=rows)
+    x = peaked_inputs(w, rows, seed=dim)
+    full, top = head(x), screened.top(x)
+    assert torch.equal(top.argmax(-1), full.argmax(-1))
+    kept = torch.isfinite(top)
+    assert torch.equal(top[kept], full[kept])
+    assert (kept.sum(-1) < 8000).all(), "the screen kept every id"
+
+
+def test_ties_resolve_to_the_first_id_as_the_float_head(ops: NativeOps) -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(640, 64, generator=g) * 0.1
+    w[500] = w[37]  # an exact tie with a later id
+    w[38] = w[37] * (1 + 1e-7)  # and near-ties around it
+    w[600] = w[37] * (1 - 1e-7)
+    head = PackedLinear(w, None, ops)
+    screened = ScreenedHead(head, w, ops)
+    x = w[[37, 37, 500]] * 25
+    full, top = head(x), screened.top(x)
+    assert torch.equal(top.argmax(-1), full.argmax(-1))
+    kept = torch.isfinite(top)
+    assert kept[:, [37, 38, 500, 600]].all()
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 50.0])
+def test_bound_covers_the_screens_error(ops: NativeOps, scale: float) -> None:
+    _, head, screened = head_pair(ops, 1024, 96, seed=3)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(4)) * scale
+    x[:, :7] *= 100  # one group far larger than the rest
+    err = (head(x) - screened.screen(x)).abs()
+    assert (err <= screened.bound(x)).all()
+
+
+def test_more_rows_than_max_rows_get_the_whole_head(ops: NativeOps) -> None:
+    _, head, screened = head_pair(ops, 512, 64, seed=5)
+    x = torch.randn(MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(screened.top(x), head(x))
+    assert torch.equal(head_logits(screened, x, argmax_only=False), head(x))
+
+
+def test_engine_greedy_tokens_do_not_change_with_the_screen(tiny_model_dir: Path) -> None:
+    prompts = [random_prompt(9 + i, seed=i, vocab_size=320) for i in range(3)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    outs = {}
+    for screen in (False, True):
+        llm = make_llm(tiny_model_dir, screen_head=screen)
+        outs[screen] = [
+            [c.outputs[0].token_ids for c in llm.generate(prompts, p, use_tqdm=False)]
+            for p in (greedy, with_logprobs)
+        ]
+    assert outs[True] == outs[False]
