@@ -43,9 +43,9 @@ from eeserve.kernels.quant import GROUP_SIZE, Int8Linear, quantize_int8
 
 # Beyond this share of kept tiles the float pass over them costs about what the full head does.
 MAX_TILE_SHARE = 0.25
-# Beyond this many rows the screen's [M, V] temporaries and the int8 pass cost more than they
-# save: measured on Gemma-3-270M's head (2 cores), 1 row 7.7 ms screened against 23 ms, 8 rows
-# 13 against 26, 32 rows ~90 against 54.
+# Beyond this many rows the screen's [M, V] temporaries and its int8 pass cost about what they
+# save: Gemma-3-270M full depth 1.48x at batch 1, 1.21x at 8, 1.00x at 16, 0.70x at 32
+# (docs/cpu-performance.md).
 MAX_ROWS = 16
 # |q| <= 127 over a group of 32 inputs, each activation off by at most amax / 65534.
 _ACTIVATION_TERM = 127 * GROUP_SIZE / 65534
