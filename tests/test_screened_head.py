@@ -13,6 +13,7 @@ import torch
 
 from eeserve.kernels.native import NativeOps, load
 from eeserve.kernels.packing import PackedLinear
+from eeserve.kernels.quant import Int8Linear, quantize_int8
 from eeserve.kernels.screened_head import MAX_ROWS, ScreenedHead, head_logits
 from eeserve.sampling_params import SamplingParams
 from tests.tiny_model import make_llm, random_prompt
@@ -35,7 +36,7 @@ def head_pair(
     # Rows of different norms, like a trained head: some ids stand out for a given direction.
     w = torch.randn(vocab, dim, generator=g) * torch.rand(vocab, 1, generator=g) * 0.2
     head = PackedLinear(w, None, ops)
-    return w, head, ScreenedHead(head, w, ops)
+    return w, head, ScreenedHead(head, w)
 
 
 def peaked_inputs(w: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
@@ -64,7 +65,7 @@ def test_ties_resolve_to_the_first_id_as_the_float_head(ops: NativeOps) -> None:
     w[38] = w[37] * (1 + 1e-7)  # and near-ties around it
     w[600] = w[37] * (1 - 1e-7)
     head = PackedLinear(w, None, ops)
-    screened = ScreenedHead(head, w, ops)
+    screened = ScreenedHead(head, w)
     x = w[[37, 37, 500]] * 25
     full, top = head(x), screened.top(x)
     assert torch.equal(top.argmax(-1), full.argmax(-1))
@@ -100,3 +101,12 @@ def test_engine_greedy_tokens_do_not_change_with_the_screen(tiny_model_dir: Path
             for p in (greedy, with_logprobs)
         ]
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_row_scales_are_each_rows_largest_scale_in_either_layout(
+    ops: NativeOps, kernel: bool
+) -> None:
+    w = torch.randn(1000, 96, generator=torch.Generator().manual_seed(7))
+    linear = Int8Linear(w, None, ops if kernel else None)
+    assert torch.equal(linear.row_scales(), quantize_int8(w)[1].amax(dim=1))

@@ -107,6 +107,10 @@ class Int8Linear(nn.Module):
         self.qweight = pack_int8(q) if ops is not None else q
         self.scale = pack_blocks(scale) if ops is not None else scale
 
+    def row_scales(self) -> torch.Tensor:
+        """[N] each output channel's largest scale (from either layout of ``scale``)."""
+        return self.scale.amax(dim=1).reshape(-1)[: self.out_features]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]

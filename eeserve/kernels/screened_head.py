@@ -1,8 +1,8 @@
 """Greedy tokens from a float32 LM head at about a quarter of its bytes: an int8 screen, then the
 float rows that can still hold the maximum.
 
-Contract: ``ScreenedHead(head, weight, ops)`` wraps a float32 LM head ``head`` on the engine's
-kernel (a ``PackedLinear`` with ``ops``) whose weight is ``weight`` [V, D].
+Contract: ``ScreenedHead(head, weight)`` wraps a float32 LM head ``head`` on the engine's kernel
+(a ``PackedLinear`` with ops) whose weight is ``weight`` [V, D].
 - ``forward(x)`` is ``head(x)``: every logit, as before (logprobs, sampling, exit measures).
 - ``top(x)`` [M, V] float32: in each row, logits bitwise equal to ``head(x)``'s at every id that
   can be that row's maximum (and at the other ids of the same 32-id tiles), -inf elsewhere. So
@@ -37,9 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eeserve.kernels.native import NativeOps
 from eeserve.kernels.packing import TILE, PackedLinear
-from eeserve.kernels.quant import GROUP_SIZE, Int8Linear, quantize_int8
+from eeserve.kernels.quant import GROUP_SIZE, Int8Linear
 
 # Beyond this share of kept tiles the float pass over them costs about what the full head does.
 MAX_TILE_SHARE = 0.25
@@ -54,23 +53,17 @@ _MARGIN = 1 + 2**-8
 
 class ScreenedHead(nn.Module):
     def __init__(
-        self,
-        head: PackedLinear,
-        weight: torch.Tensor,
-        ops: NativeOps,
-        screen: Int8Linear | None = None,
+        self, head: PackedLinear, weight: torch.Tensor, screen: Int8Linear | None = None
     ) -> None:
         super().__init__()
         assert head.ops is not None, "the screen needs the float head on the engine's kernel"
-        self.head, self.ops = head, ops
+        self.head, self.ops = head, head.ops
         self.vocab_size, self.in_features = weight.shape
-        w = weight.detach()
         # Reuse an int8 copy of the same weight when there is one (the int8 drafter's head).
-        self.screen = screen if screen is not None else Int8Linear(w, None, ops)
-        _, scale = quantize_int8(w)  # [V, G], what the screen's kernel multiplies by
+        self.screen = screen if screen is not None else Int8Linear(weight.detach(), None, head.ops)
         # One scale per row for the bound (the largest of the row's): a bound [M, V] then costs
         # 4 bytes a row, not 4 per 32 weights, for a few more ids kept (3.5 -> 7.5 on average).
-        self.row_scale = scale.amax(dim=1)  # [V]
+        self.row_scale = self.screen.row_scales()  # [V]
         # Tiles of 32 output rows: [T, 2 blocks, K, 16] view of the packed float weight.
         self.tiles = head.packed.view(-1, 2, self.in_features, TILE // 2)
 
@@ -80,7 +73,7 @@ class ScreenedHead(nn.Module):
     def bound(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> b [M, V] with |head(x) - screen(x)| <= b (module docstring)."""
         m, k = x.shape
-        ax = x.abs().float()
+        ax = x.abs()
         width = -(-k // GROUP_SIZE) * GROUP_SIZE
         chunk_max = F.pad(ax, (0, width - k)).view(m, -1, GROUP_SIZE).amax(-1)  # [M, chunks]
         coeff = ax.sum(-1) * (0.5 + 254 * k * 2**-24) + chunk_max.sum(-1) * _ACTIVATION_TERM
@@ -117,7 +110,7 @@ def screened(head: PackedLinear, weight: torch.Tensor, int8: nn.Module | None = 
     one (an ``Int8Linear`` over every row)."""
     if head.ops is None:
         return head
-    return ScreenedHead(head, weight, head.ops, int8 if isinstance(int8, Int8Linear) else None)
+    return ScreenedHead(head, weight, int8 if isinstance(int8, Int8Linear) else None)
 
 
 def head_logits(head: nn.Module, x: torch.Tensor, argmax_only: bool) -> torch.Tensor:
