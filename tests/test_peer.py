@@ -8,6 +8,7 @@ engine's."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +119,24 @@ def test_ratios_are_taken_within_each_round_then_summarised() -> None:
         spread([])
 
 
+def test_a_cached_build_with_other_cmake_flags_is_stale(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("EESERVE_HOME", str(tmp_path))
+    home = llamacpp_build.tools_dir()
+    (home / "bin").mkdir(parents=True)
+    assert not llamacpp_build.is_built()
+    for target in llamacpp_build.TARGETS:
+        (home / "bin" / target).write_text("")
+    assert not llamacpp_build.is_built()  # no build.json: flags unknown
+    flags = list(llamacpp_build.CMAKE_FLAGS)
+    (home / "build.json").write_text(json.dumps({"cmake_flags": flags[:-2]}))
+    assert not llamacpp_build.is_built()  # built before AMX was compiled out
+    (home / "build.json").write_text(json.dumps({"cmake_flags": flags}))
+    assert llamacpp_build.is_built()
+    assert any("-mno-amx-int8" in f for f in flags)
+
+
 def test_without_cmake_the_build_says_what_is_missing_and_the_section_is_skipped(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -195,8 +214,8 @@ def test_the_peer_section_interleaves_rounds_and_prints_ratios_and_the_roofline(
 
 
 def _built_tools() -> llamacpp_build.NativeTools | None:
-    bin_dir = llamacpp_build.tools_dir() / "bin"
-    if not all((bin_dir / t).exists() for t in llamacpp_build.TARGETS):
+    # Collection must never start a build: a missing or stale cache skips the test.
+    if not llamacpp_build.is_built():
         return None
     return llamacpp_build.native_tools()
 

@@ -5,9 +5,10 @@ under ``$EESERVE_HOME/llamacpp/<LLAMACPP_VERSION>/bin``, building them first whe
 there: ``pip download --no-deps --no-binary :all: llama-cpp-python==<version>`` (the sdist, which
 vendors llama.cpp's source at the commit that package release pins), CMake configured for the CPU
 backend only (``GGML_NATIVE=ON``, static libraries, no CUDA/Metal/Vulkan/OpenSSL), and only those
-two targets built, under ``nice -n 19``. The build runs in a temporary folder and the finished
+two targets built, under ``nice -n 19``; AMX code is compiled out (its q8_0 matmul crashes). The build runs in a temporary folder and the finished
 ``bin`` folder is renamed into place, so an interrupted or failed build leaves nothing behind;
-its CMake flags go into ``build.json`` beside ``bin``. Missing ``cmake`` or C/C++ compiler raises
+its CMake flags go into ``build.json`` beside ``bin``, and a cached build whose flags differ from
+``CMAKE_FLAGS`` is built again (``is_built``). Missing ``cmake`` or C/C++ compiler raises
 ``BuildToolMissing`` naming what is missing before anything is downloaded; a failed download or
 build raises ``RuntimeError`` with the tail of its log.
 """
@@ -41,6 +42,10 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_SERVER=OFF",
     "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_BUILD_TOOLS=ON",
+    # llama.cpp's AMX matmul segfaults on q8_0 (ggml-org/llama.cpp#20824, reproduced here on a
+    # Xeon with AMX); GCC's explicit -mno-* wins over -march=native, so AVX-512/VNNI stay on.
+    "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
 )
 # (program, what to install when it is missing); CMake's own C/C++ detection follows CC/CXX.
 REQUIRED = (
@@ -76,11 +81,23 @@ def missing_tools() -> list[str]:
     return out
 
 
+def is_built(version: str = LLAMACPP_VERSION) -> bool:
+    """Both tools are cached, built with today's ``CMAKE_FLAGS`` (an older flag set is stale)."""
+    home = tools_dir(version)
+    if not all((home / "bin" / t).exists() for t in TARGETS):
+        return False
+    try:
+        flags = json.loads((home / "build.json").read_text()).get("cmake_flags")
+    except (OSError, ValueError):
+        return False
+    return flags == list(CMAKE_FLAGS)
+
+
 def native_tools(version: str = LLAMACPP_VERSION) -> NativeTools:
-    """The cached tools, built first if absent (minutes: llama.cpp compiles on every core)."""
-    bin_dir = tools_dir(version) / "bin"
-    if not all((bin_dir / t).exists() for t in TARGETS):
+    """The cached tools, built first if absent or stale (minutes: llama.cpp compiles on every core)."""
+    if not is_built(version):
         build(version)
+    bin_dir = tools_dir(version) / "bin"
     return NativeTools(bin_dir / TARGETS[0], bin_dir / TARGETS[1], version)
 
 
