@@ -5,10 +5,11 @@ under ``$EESERVE_HOME/llamacpp/<LLAMACPP_VERSION>/bin``, building them first whe
 there: ``pip download --no-deps --no-binary :all: llama-cpp-python==<version>`` (the sdist, which
 vendors llama.cpp's source at the commit that package release pins), CMake configured for the CPU
 backend only (``GGML_NATIVE=ON``, static libraries, no CUDA/Metal/Vulkan/OpenSSL), and only those
-two targets built, under ``nice -n 19``; AMX code is compiled out (its q8_0 matmul crashes). The build runs in a temporary folder and the finished
-``bin`` folder is renamed into place, so an interrupted or failed build leaves nothing behind;
-its CMake flags go into ``build.json`` beside ``bin``, and a cached build whose flags differ from
-``CMAKE_FLAGS`` is built again (``is_built``). Missing ``cmake`` or C/C++ compiler raises
+two targets built, under ``nice -n 19``; AMX code is compiled out (its q8_0 matmul crashes).
+The build runs in a temporary folder and the finished ``bin`` folder is renamed into place, so
+an interrupted or failed build leaves nothing behind; its CMake flags go into ``build.json``
+beside ``bin``, and a cached build whose flags differ from ``CMAKE_FLAGS`` is built again
+(``is_built``). Missing ``cmake`` or C/C++ compiler raises
 ``BuildToolMissing`` naming what is missing before anything is downloaded; a failed download or
 build raises ``RuntimeError`` with the tail of its log.
 """
@@ -94,7 +95,7 @@ def is_built(version: str = LLAMACPP_VERSION) -> bool:
 
 
 def native_tools(version: str = LLAMACPP_VERSION) -> NativeTools:
-    """The cached tools, built first if absent or stale (minutes: llama.cpp compiles on every core)."""
+    """The cached tools, built first if absent or stale (minutes: it compiles on every core)."""
     if not is_built(version):
         build(version)
     bin_dir = tools_dir(version) / "bin"
