@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from eeserve import ExitParams, SamplingParams
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.kernels import native
+from eeserve.kernels.fused import FusedDecoder
 from eeserve.kernels.packing import pack_for_cpu, use_native_ops
 from eeserve.kernels.quant import quantize_model
 from eeserve.models.config import ModelConfig, rope_tables
@@ -222,6 +223,62 @@ def test_mixed_pass_matches_hf(tiny: Path, use_native: bool) -> None:
     torch.testing.assert_close(logits[1:], hf_logits(tiny, b), atol=2e-4, rtol=1e-4)
 
 
+def _decode_past_the_window() -> AttnMeta:
+    """Two decode rows at positions 12 and 20, past the window of 8."""
+    spans = [SeqSpan([0], [12], torch.arange(0, 13), False),
+             SeqSpan([1], [20], torch.arange(30, 51), False)]  # fmt: skip
+    return AttnMeta.build(spans, torch.tensor([12, 50]), max_rows=8)
+
+
+def _mixed_within_the_window() -> AttnMeta:
+    """A decode row at position 5 and a fresh 7-token prompt: no query past the window."""
+    spans = [SeqSpan([0], [5], torch.arange(0, 6), False),
+             SeqSpan(list(range(1, 8)), list(range(7)), torch.arange(40, 47), True)]  # fmt: skip
+    return AttnMeta.build(spans, torch.cat((torch.tensor([5]), torch.arange(40, 47))), max_rows=8)
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+@pytest.mark.parametrize("pass_", [_decode_past_the_window, _mixed_within_the_window])
+def test_fused_layers_equal_the_module_path(tiny: Path, kind: str, pass_: object) -> None:
+    """``gemma3_layer`` (one kernel call a layer) computes the modules' numbers and K/V, the local
+    layers with their own rotary tables and windowed contexts."""
+    ops = native.load()
+    if ops is None:
+        pytest.skip("CPU kernels unavailable")
+    model, cfg = load_model(tiny, torch.float32, torch.device("cpu"))
+    use_native_ops(model, ops)
+    quantize_model(model, ops) if kind == "int8" else pack_for_cpu(model, ops)
+    fused = FusedDecoder.build(model, ops)
+    assert fused is not None and fused.window == WINDOW
+    meta = pass_()  # type: ignore[operator]
+    plan, local = meta.pass_attention(), meta.window_pass_attention(WINDOW)
+    assert plan is not None and local is not None
+    pos = torch.tensor([p for s in meta.spans for p in s.q_positions])
+    cos, sin = (t[pos] for t in rope_tables(cfg, 32))
+    h = torch.randn(len(pos), cfg.hidden_size)
+    ref_kv, got_kv = paged_cache(cfg, ops), paged_cache(cfg, ops)
+    for kv in (ref_kv, got_kv):
+        torch.manual_seed(1)
+        kv.k.normal_()
+        kv.v.normal_()
+    with torch.inference_mode():
+        ref = h
+        for layer in model.layers:
+            ref = layer(ref, Rotary(cos, sin), partial(ref_kv.attend, meta=meta))
+        got = fused.run(h, cos, sin, got_kv.k, got_kv.v, plan, local_attn=local)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6 * ref.abs().max().item())
+    torch.testing.assert_close(got_kv.k, ref_kv.k, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_kv.v, ref_kv.v, rtol=0, atol=1e-6)
+
+
+def test_a_span_past_the_window_has_no_fused_plan() -> None:
+    """A prompt longer than the window needs its banded span attention: the modules run it."""
+    span = SeqSpan(list(range(12)), list(range(12)), torch.arange(12), True)
+    meta = AttnMeta.build([span], torch.arange(12), max_rows=8)
+    assert meta.pass_attention() is not None and meta.window_pass_attention(WINDOW) is None
+    assert meta.window_pass_attention(16) is meta.pass_attention()
+
+
 def test_window_changes_the_logits(tiny: Path) -> None:
     """The window matters on this model: full attention everywhere gives other logits past it."""
     ids = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(1))
@@ -359,6 +416,8 @@ def test_engine_greedy_equals_hf(tiny: Path) -> None:
     """The whole engine (scheduler, paged cache with windows, CPU kernels, sampler) on prompts
     that run past the window, batched: HF's greedy tokens."""
     llm = make_llm(tiny, exit_policy="none", kv_cache_memory=2**20)
+    if native.load() is not None:  # its layers run as one kernel call each
+        assert llm.engine.runner.stack.fused is not None
     prompts = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):"]
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=16)
     outs = llm.generate(prompts, params, use_tqdm=False)

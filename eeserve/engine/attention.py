@@ -146,6 +146,16 @@ class AttnMeta:
             self._pass = (self._build_pass_attention(),)
         return self._pass[0]
 
+    def window_pass_attention(self, size: int) -> PassAttention | None:
+        """``pass_attention`` for a layer that sees the last ``size`` positions: the same while no
+        query is that far in, then windowed slot tables for row-wise rows only (else None)."""
+        if self.max_position() < size:
+            return self.pass_attention()
+        if not self.rowwise or not all(self.rowwise):
+            return None
+        rs = self.window_rows(size, torch.float32)  # its SDPA mask's dtype: unused by the kernel
+        return PassAttention(self.slot_mapping, None, rs.slots, rs.lens)
+
     def _build_pass_attention(self) -> PassAttention | None:
         rowwise = self.rowwise or [False] * len(self.slot_mapping)
         spans = [s for s in self.spans if not rowwise[s.rows[0]]]

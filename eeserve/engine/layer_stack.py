@@ -3,7 +3,8 @@
 Contract: ``LayerStack.run(h, rot, meta, start, end)`` computes layers [start, end) (0-based)
 for the rows of ``meta``, writing their K/V: through ``kernels.fused`` (one kernel call per
 layer) when the model's projections are on the engine's kernels and every span's rows are
-consecutive (``AttnMeta.pass_attention``), else through the model's modules with the cache's
+consecutive (``AttnMeta.pass_attention``; with sliding-window layers, also when no span reaches
+past the window: ``window_pass_attention``), else through the model's modules with the cache's
 ``attend``. Both give the same numbers (tests/test_fused.py). The runner's full-depth pass and the
 exit loop's layers between checks both go through here.
 """
@@ -29,9 +30,13 @@ class LayerStack:
         self, h: torch.Tensor, rot: Rotary, meta: AttnMeta, start: int, end: int
     ) -> torch.Tensor:
         """h [N, D], the input of layer ``start`` -> the output of layer ``end - 1``."""
-        plan = meta.pass_attention() if self.fused is not None else None
-        if self.fused is not None and plan is not None:
-            return self.fused.run(h, rot.cos, rot.sin, self.kv.k, self.kv.v, plan, start, end)
+        if self.fused is not None:
+            plan, local = meta.pass_attention(), None
+            if plan is not None and self.fused.window is not None:
+                local = meta.window_pass_attention(self.fused.window)
+            if plan is not None and (local is not None or self.fused.window is None):
+                kv = self.kv
+                return self.fused.run(h, rot.cos, rot.sin, kv.k, kv.v, plan, start, end, local)
         attn = partial(self.kv.attend, meta=meta)
         for layer in self.model.layers[start:end]:
             h = layer(h, rot, attn)

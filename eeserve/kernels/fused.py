@@ -2,8 +2,9 @@
 
 Contract: ``FusedDecoder.build(model, ops)`` returns a decoder when every projection of the model
 runs on one of the engine's own linear kernels (``PackedLinear`` on float32 or ``Int8Linear``,
-with ``ops``) and its norms are the engine's, else None (also for a model whose layers are not
-plain Llama layers: Gemma 3's run through the modules). ``run`` computes the layers
+with ``ops``) and its norms are the engine's, else None (also for a layer type without a kernel).
+Llama layers run ``decoder_layer``, Gemma 3 layers ``gemma3_layer`` (its local layers with the
+local rotary tables and ``local_attn``, the rows' windowed contexts). ``run`` computes the layers
 ``[start, end)`` for the rows of a pass (decode rows attended one by one, prompts and prompt
 chunks as spans of consecutive rows: ``PassAttention``), writing their K/V as
 ``LlamaDecoderLayer.forward`` with the engine's attention would, with the same kernels in the
@@ -14,12 +15,14 @@ pools, slot tables): this layer does not know the engine's cache classes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from eeserve.kernels.native import NativeOps
 from eeserve.kernels.packing import NativeRMSNorm, PackedLinear
 from eeserve.kernels.quant import Int8Linear
+from eeserve.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer
 from eeserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 # (packed weight, int8 scales or None, bias or None)
@@ -48,31 +51,61 @@ def _projection(module: torch.nn.Module) -> Projection | None:
     return None
 
 
-def _layer_weights(layer: LlamaDecoderLayer, eps: float) -> tuple[object, ...] | None:
-    """The layer's static arguments of ``decoder_layer`` (norms, eps, then each projection's
-    weight and scales, and the fused QKV's bias), or None when the kernel cannot run it."""
-    if type(layer) is not LlamaDecoderLayer:  # the kernel computes a Llama layer (not Gemma's)
-        return None
-    attn, mlp = layer.self_attn, layer.mlp
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+@dataclass(frozen=True)
+class FusedLayer:
+    """One layer's kernel, its static arguments, and whether it is a local layer (Gemma 3: the
+    local rotary tables, attention within the window)."""
+
+    op: Any  # torch.ops.eeserve.decoder_layer or gemma3_layer
+    weights: tuple[object, ...]
+    local: bool = False
+
+
+def _projections(
+    layer: LlamaDecoderLayer, norms: tuple[torch.nn.Module, ...]
+) -> tuple[Projection, ...] | None:
+    """(qkv, o, gate_up, down) when they and ``norms`` run on the engine's kernels, else None."""
     if not all(isinstance(n, NativeRMSNorm) for n in norms):
         return None
-    qkv, o, gate_up, down = (
-        _projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    )
-    if qkv is None or o is None or gate_up is None or down is None:
+    attn, mlp = layer.self_attn, layer.mlp
+    found = [_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    if any(p is None for p in found):
         return None
-    if any(p[2] is not None for p in (o, gate_up, down)):  # the kernel adds only QKV's bias
-        return None
-    return (norms[0].weight, norms[1].weight, eps, *qkv, *o[:2], *gate_up[:2], *down[:2])
+    return tuple(p for p in found if p is not None)
+
+
+def _layer(layer: LlamaDecoderLayer, eps: float, ops: NativeOps) -> FusedLayer | None:
+    """The layer's kernel call, or None when no kernel computes it."""
+    if type(layer) is LlamaDecoderLayer:
+        norms: tuple[torch.nn.Module, ...] = (layer.input_layernorm, layer.post_attention_layernorm)
+        projs = _projections(layer, norms)
+        if projs is None or any(p[2] is not None for p in projs[1:]):  # only QKV's bias is added
+            return None
+        qkv, o, gate_up, down = projs
+        weights = (norms[0].weight, norms[1].weight, eps, *qkv, *o[:2], *gate_up[:2], *down[:2])
+        return FusedLayer(ops.ops.decoder_layer, weights)
+    attn = layer.self_attn
+    if type(layer) is Gemma3DecoderLayer and isinstance(attn, Gemma3Attention):
+        norms = (
+            layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+            layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm,
+        )  # fmt: skip
+        projs = _projections(layer, norms)
+        if projs is None or any(p[2] is not None for p in projs):
+            return None
+        parts = tuple(t for p in projs for t in p[:2])
+        norm_weights = tuple(n.weight for n in norms)
+        return FusedLayer(ops.ops.gemma3_layer, (*norm_weights, eps, *parts), attn.local)
+    return None  # another layer type: the modules compute it
 
 
 class FusedDecoder:
-    def __init__(
-        self, model: LlamaForCausalLM, ops: NativeOps, layers: list[tuple[object, ...]]
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, ops: NativeOps, layers: list[FusedLayer]) -> None:
         cfg = model.config
         self.ops, self.layers = ops, layers
+        self.head_dim = cfg.head_dim
+        # Gemma 3's local layers attend within one window (None: no layer has a window).
+        self.window = next((w for w in cfg.layer_windows() if w is not None), None)
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.intermediate = cfg.intermediate_size
         self.scale = cfg.head_dim**-0.5
@@ -92,33 +125,48 @@ class FusedDecoder:
     def build(cls, model: LlamaForCausalLM, ops: NativeOps | None) -> FusedDecoder | None:
         if ops is None:
             return None
-        layers: list[tuple[object, ...]] = []
+        if len({w for w in model.config.layer_windows() if w is not None}) > 1:
+            return None  # one window for every local layer (Gemma 3) is what run() passes
+        layers: list[FusedLayer] = []
         for layer in model.layers:
-            weights = _layer_weights(layer, model.config.rms_norm_eps)
-            if weights is None:
+            fused = _layer(layer, model.config.rms_norm_eps, ops)
+            if fused is None:
                 return None
-            layers.append(weights)
+            layers.append(fused)
         return cls(model, ops, layers)
 
     def run(
         self,
         h: torch.Tensor,  # [R, D] float32
-        cos: torch.Tensor,  # [R, head_dim]
+        cos: torch.Tensor,  # [R, head_dim], or [R, 2 * head_dim]: global then local tables
         sin: torch.Tensor,
         k_pool: torch.Tensor,  # [layers, slots, Hkv, head_dim]
         v_pool: torch.Tensor,
         attn: PassAttention,
         start: int = 0,
         end: int | None = None,
+        local_attn: PassAttention | None = None,
     ) -> torch.Tensor:
-        op = self.ops.ops.decoder_layer  # the registered op itself: no wrapper frame per layer
+        """``local_attn``: how the rows attend in the local layers (within the window; None:
+        as ``attn``)."""
         pools = self._pool_views(k_pool, v_pool)
+        hd = self.head_dim
+        if cos.shape[1] == 2 * hd:  # cut once per pass, not per layer
+            tables = {False: (cos[:, :hd].contiguous(), sin[:, :hd].contiguous()),
+                      True: (cos[:, hd:].contiguous(), sin[:, hd:].contiguous())}  # fmt: skip
+        else:
+            tables = {False: (cos, sin), True: (cos, sin)}
         # The same per-pass arguments for every layer: built once, not per layer call.
-        meta = (
+        metas = {local: self._pass_args(local_attn if local and local_attn else attn)
+                 for local in (False, True)}  # fmt: skip
+        for i in range(start, len(self.layers) if end is None else end):
+            layer = self.layers[i]  # its registered op itself: no wrapper frame per layer
+            h = layer.op(h, *layer.weights, *tables[layer.local], *pools[i], *metas[layer.local])
+        return h
+
+    def _pass_args(self, attn: PassAttention) -> tuple[object, ...]:
+        return (
             attn.slot_mapping, attn.row_idx, attn.row_slots, attn.row_lens,
             attn.span_starts, attn.span_slots, attn.span_positions,
             self.num_heads, self.num_kv_heads, self.intermediate, self.scale,
         )  # fmt: skip
-        for i in range(start, len(self.layers) if end is None else end):
-            h = op(h, *self.layers[i], cos, sin, *pools[i], *meta)
-        return h

@@ -12,6 +12,12 @@
 // row_slots[r, :row_lens[r]]; span i (a prompt or a chunk of one) is the consecutive rows from
 // span_starts[i], its queries at span_positions[i] over the context span_slots[i].
 //
+// gemma3_layer(...) is the same for models/gemma3.py's Gemma3DecoderLayer: q and k RMS-normed per
+// head (q_norm, k_norm) before the rotation, the attention and MLP outputs normed before their
+// residual adds (attn_out_norm, mlp_out_norm), the MLP's input normed by mlp_in_norm, GeGLU with
+// tanh GELU; no bias. Its cos/sin are the layer's own tables (local layers rotate with theirs),
+// and a sliding-window layer's row_slots already hold only the window.
+//
 // Why: a layer is ~15 small operations, each a Python call through the module tree: the default
 // model's batch-1 decode step spent 1.5-3 ms in Python between kernels (docs/cpu-performance.md),
 // and a pass of a prompt chunk beside decode rows ~5 ms.
@@ -110,6 +116,44 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& norm1, const at:
   return project(act.call(gu), down_w, down_s, c10::nullopt, D).add_(mid);
 }
 
+// x [..., n] (rows may be strided) -> RMS-normed over its last dimension, contiguous.
+at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  static auto rms = c10::Dispatcher::singleton()
+                        .findSchemaOrThrow("eeserve::rms_norm", "")
+                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  return rms.call(x, w, eps);
+}
+
+at::Tensor gemma3_layer(const at::Tensor& h, const at::Tensor& in_norm, const at::Tensor& attn_out_norm,
+                        const at::Tensor& mlp_in_norm, const at::Tensor& mlp_out_norm, const at::Tensor& q_norm,
+                        const at::Tensor& k_norm, double eps, const at::Tensor& qkv_w, const OptT& qkv_s,
+                        const at::Tensor& o_w, const OptT& o_s, const at::Tensor& gate_up_w, const OptT& gate_up_s,
+                        const at::Tensor& down_w, const OptT& down_s, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                        const OptT& row_idx, const at::Tensor& row_slots, const at::Tensor& row_lens,
+                        at::IntArrayRef span_starts, at::TensorList span_slots, at::TensorList span_positions,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t intermediate, double scale) {
+  static auto rot = c10::Dispatcher::singleton()
+                        .findSchemaOrThrow("eeserve::rotary_", "")
+                        .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat, "gemma3_layer: h [R, D] float32");
+  const int64_t R = h.size(0), D = h.size(1), hd = k_cache.size(2);
+  const int64_t H = num_heads, Hkv = num_kv_heads, heads = H + 2 * Hkv;
+  at::Tensor qkv = project(norm(h, in_norm, eps), qkv_w, qkv_s, c10::nullopt, heads * hd).view({R, heads, hd});
+  // q and k heads normed apart, then rotated together (one pass of the rotary kernel).
+  at::Tensor qk = at::cat({norm(qkv.narrow(1, 0, H), q_norm, eps), norm(qkv.narrow(1, H, Hkv), k_norm, eps)}, 1);
+  rot.call(qk, cos, sin);
+  k_cache.index_copy_(0, slot_mapping, qk.narrow(1, H, Hkv));
+  v_cache.index_copy_(0, slot_mapping, qkv.narrow(1, H + Hkv, Hkv));
+  const at::Tensor o = attention(qk.narrow(1, 0, H), k_cache, v_cache, row_idx, row_slots, row_lens, span_starts,
+                                 span_slots, span_positions, scale)
+                           .view({R, H * hd});
+  const at::Tensor mid = norm(project(o, o_w, o_s, c10::nullopt, D), attn_out_norm, eps).add_(h);
+  const at::Tensor gu = project(norm(mid, mlp_in_norm, eps), gate_up_w, gate_up_s, c10::nullopt, 2 * intermediate);
+  const at::Tensor act = at::gelu(gu.narrow(1, 0, intermediate), "tanh").mul_(gu.narrow(1, intermediate, intermediate));
+  return norm(project(act, down_w, down_s, c10::nullopt, D), mlp_out_norm, eps).add_(mid);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eeserve, m) {
@@ -122,4 +166,18 @@ TORCH_LIBRARY_FRAGMENT(eeserve, m) {
       "int intermediate, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(eeserve, CPU, m) { m.impl("decoder_layer", &decoder_layer); }
+TORCH_LIBRARY_FRAGMENT(eeserve, m) {
+  m.def(
+      "gemma3_layer(Tensor h, Tensor in_norm, Tensor attn_out_norm, Tensor mlp_in_norm, "
+      "Tensor mlp_out_norm, Tensor q_norm, Tensor k_norm, float eps, Tensor qkv_w, Tensor? qkv_s, "
+      "Tensor o_w, Tensor? o_s, Tensor gate_up_w, Tensor? gate_up_s, Tensor down_w, Tensor? down_s, "
+      "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+      "Tensor? row_idx, Tensor row_slots, Tensor row_lens, int[] span_starts, Tensor[] span_slots, "
+      "Tensor[] span_positions, int num_heads, int num_kv_heads, int intermediate, float scale) "
+      "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(eeserve, CPU, m) {
+  m.impl("decoder_layer", &decoder_layer);
+  m.impl("gemma3_layer", &gemma3_layer);
+}
