@@ -87,13 +87,14 @@ def _reference_decode(q, k_pool, v_pool, slots, lens):  # type: ignore[no-untype
 def test_decode_attention_reads_the_pool_in_place(
     ops: NativeOps, dtype: torch.dtype, hd: int, seqs: int, heads: int, kv_heads: int
 ) -> None:
-    """Padded slot rows, contexts of different lengths (one of them 1), GQA and plain MHA, one
-    sequence (heads split across threads) and several, q rows strided as in a fused projection."""
+    """Padded slot rows, contexts of different lengths (one of them 1, others split into several
+    32-position tasks), GQA and plain MHA, one sequence and several, q rows strided as in a
+    fused projection."""
     torch.manual_seed(hd + seqs)
-    pool = 200
+    pool = 400
     k_pool = torch.randn(pool, kv_heads, hd).to(dtype)
     v_pool = torch.randn(pool, kv_heads, hd).to(dtype)
-    lens = torch.tensor([1 + (37 * (s + 1)) % 60 for s in range(seqs)])
+    lens = torch.tensor([1 + (137 * (s + 1)) % 300 for s in range(seqs)])
     t = int(lens.max())
     slots = torch.zeros(seqs, t, dtype=torch.long)
     for s in range(seqs):
@@ -102,6 +103,22 @@ def test_decode_attention_reads_the_pool_in_place(
     q = fused[:, :heads]
     out = ops.decode_attention(q, k_pool, v_pool, slots, lens, hd**-0.5)
     close(out, _reference_decode(q, k_pool, v_pool, slots, lens), dtype)
+
+
+def test_a_decode_rows_attention_does_not_depend_on_its_batch(ops: NativeOps) -> None:
+    """A row's tasks follow its own length: alone or among other rows, the same bits (so a
+    verification's rows equal the positions decoded one by one)."""
+    torch.manual_seed(3)
+    k_pool, v_pool = torch.randn(300, 3, 64), torch.randn(300, 3, 64)
+    lens = torch.tensor([150, 7, 290, 33])
+    slots = torch.stack([torch.randperm(300)[:290] for _ in range(4)])
+    q = torch.randn(4, 9, 64)
+    together = ops.decode_attention(q, k_pool, v_pool, slots, lens, 0.125)
+    for s in range(4):
+        alone = ops.decode_attention(
+            q[s : s + 1], k_pool, v_pool, slots[s : s + 1], lens[s : s + 1], 0.125
+        )
+        assert torch.equal(alone[0], together[s])
 
 
 @pytest.mark.parametrize("max_rows", [64, 2])

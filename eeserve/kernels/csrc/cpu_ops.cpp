@@ -34,8 +34,7 @@ inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
 // q [R, H, D] (heads contiguous, rows may be strided); k_cache, v_cache [slots, Hkv, D];
 // slots [R, T]: row r attends to the positions at slots[r, :lens[r]] (its sequence up to its own
 // position; lens >= 1). Returns [R, H, D]. One query per row: decode steps, owed positions.
-// A task is one row and a range of its K/V heads; a key row is read once for all the query
-// heads that share it (GQA), and K/V are read in place: no gathered copy of the context.
+// K/V are read in place through the slot table: no gathered copy of the context.
 
 // DC: the head size when known at compile time (the loops unroll into vector code), 0 for any.
 template <int64_t DC>
@@ -72,60 +71,91 @@ inline void prefetch_row(const T* row, int64_t elems) {
 
 constexpr int64_t kPrefetchAhead = 8;
 
+// A task is KSPLIT consecutive positions of one row, for all its heads (each key row read once
+// for every query head that shares it): the task's scores, their max and exp-sum, and its
+// unnormalised weighted sum of values go to a partial, and the row's partials are merged in
+// order. A row's tasks depend on its length only, so its result does not depend on what else is
+// in the batch (a verification's rows equal the same positions decoded one by one), and batch 1
+// spreads its context over every core.
+constexpr int64_t KSPLIT = 32;
+
+// One task: positions [t0, t1) of the row whose slots are sl; P: per head (max, sum, acc[D]).
+template <typename T, int64_t DC>
+void attend_positions(const float* qf, const T* kc, const T* vc, const int64_t* sl, int64_t t0,
+                      int64_t t1, int64_t len, int64_t H, int64_t Hkv, int64_t D, float* scores,
+                      float* buf, float* P) {
+  const int64_t G = H / Hkv, n = t1 - t0;  // G: query heads per K/V head (GQA)
+  for (int64_t t = t0; t < t1; ++t) {
+    if (t + kPrefetchAhead < len) {
+      prefetch_row(kc + sl[t + kPrefetchAhead] * Hkv * D, Hkv * D);
+      prefetch_row(vc + sl[t + kPrefetchAhead] * Hkv * D, Hkv * D);
+    }
+    const T* row = kc + sl[t] * Hkv * D;
+    for (int64_t kh = 0; kh < Hkv; ++kh) {
+      const float* k = as_float<T>(row + kh * D, buf, D);
+      for (int64_t g = 0; g < G; ++g)
+        scores[(kh * G + g) * KSPLIT + t - t0] = dot<DC>(qf + (kh * G + g) * D, k, D);
+    }
+  }
+  for (int64_t i = 0; i < H; ++i) {
+    float* sc = scores + i * KSPLIT;
+    const float mx = *std::max_element(sc, sc + n);
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) sum += (sc[t] = std::exp(sc[t] - mx));
+    P[i * (D + 2)] = mx;
+    P[i * (D + 2) + 1] = sum;
+    std::fill(P + i * (D + 2) + 2, P + (i + 1) * (D + 2), 0.f);
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* row = vc + sl[t] * Hkv * D;
+    for (int64_t kh = 0; kh < Hkv; ++kh) {
+      const float* v = as_float<T>(row + kh * D, buf, D);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = kh * G + g;
+        axpy<DC>(scores[i * KSPLIT + t - t0], v, P + i * (D + 2) + 2, D);
+      }
+    }
+  }
+}
+
 template <typename T, int64_t DC>
 void decode_attention_kernel(const T* q, int64_t q_stride, const T* kc, const T* vc,
                              const int64_t* slots, const int64_t* lens, T* out, int64_t S,
                              int64_t H, int64_t Hkv, int64_t D, int64_t Tmax, float scale) {
-  const int64_t G = H / Hkv;  // query heads per K/V head (GQA)
-  // Few rows: split each one's heads across threads so that batch 1 uses every core.
-  const int64_t per_task = S >= 2 * at::get_num_threads() ? Hkv : 1;
-  const int64_t tasks_per_seq = Hkv / per_task;
-  at::parallel_for(0, S * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, scores, acc, buf(D);
+  std::vector<int64_t> first(S + 1, 0);  // row s's tasks: [first[s], first[s + 1])
+  for (int64_t s = 0; s < S; ++s) first[s + 1] = first[s] + (lens[s] + KSPLIT - 1) / KSPLIT;
+  const int64_t W = D + 2;
+  std::vector<float> part(first[S] * H * W);  // per task and head: max, sum, acc[D]
+  at::parallel_for(0, first[S], 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), scores(H * KSPLIT), buf(D);
+    int64_t row = -1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / tasks_per_seq;
-      const int64_t h0 = (task % tasks_per_seq) * per_task;  // first K/V head of the task
-      const int64_t nq = per_task * G;  // query heads of the task
-      const int64_t n = lens[s];
-      const int64_t* sl = slots + s * Tmax;
-      qf.resize(nq * D);
-      acc.assign(nq * D, 0.f);
-      scores.resize(nq * n);
-      for (int64_t i = 0; i < nq * D; ++i) qf[i] = static_cast<float>(q[s * q_stride + h0 * G * D + i]) * scale;
-      for (int64_t t = 0; t < n; ++t) {
-        const T* row = kc + (sl[t] * Hkv + h0) * D;
-        if (t + kPrefetchAhead < n) {
-          prefetch_row(kc + (sl[t + kPrefetchAhead] * Hkv + h0) * D, per_task * D);
-          prefetch_row(vc + (sl[t + kPrefetchAhead] * Hkv + h0) * D, per_task * D);
-        }
-        for (int64_t kh = 0; kh < per_task; ++kh) {
-          const float* k = as_float<T>(row + kh * D, buf.data(), D);
-          for (int64_t g = 0; g < G; ++g)
-            scores[(kh * G + g) * n + t] = dot<DC>(qf.data() + (kh * G + g) * D, k, D);
-        }
+      const int64_t s = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+      if (s != row) {  // tasks of one row are consecutive: its scaled query is made once
+        row = s;
+        for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(q[s * q_stride + i]) * scale;
       }
-      for (int64_t i = 0; i < nq; ++i) {
-        float* sc = scores.data() + i * n;
-        const float mx = *std::max_element(sc, sc + n);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) sum += (sc[t] = std::exp(sc[t] - mx));
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < n; ++t) sc[t] *= inv;
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        const T* row = vc + (sl[t] * Hkv + h0) * D;
-        for (int64_t kh = 0; kh < per_task; ++kh) {
-          const float* v = as_float<T>(row + kh * D, buf.data(), D);
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t i = kh * G + g;
-            axpy<DC>(scores[i * n + t], v, acc.data() + i * D, D);
-          }
-        }
-      }
-      T* o = out + (s * H + h0 * G) * D;
-      for (int64_t i = 0; i < nq * D; ++i) o[i] = static_cast<T>(acc[i]);
+      const int64_t t0 = (task - first[s]) * KSPLIT, t1 = std::min(lens[s], t0 + KSPLIT);
+      attend_positions<T, DC>(qf.data(), kc, vc, slots + s * Tmax, t0, t1, lens[s], H, Hkv, D,
+                              scores.data(), buf.data(), part.data() + task * H * W);
     }
   });
+  std::vector<float> o(D);
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t i = 0; i < H; ++i) {
+      float mx = -INFINITY, sum = 0.f;
+      for (int64_t j = first[s]; j < first[s + 1]; ++j) mx = std::max(mx, part[(j * H + i) * W]);
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t j = first[s]; j < first[s + 1]; ++j) {
+        const float* P = part.data() + (j * H + i) * W;
+        const float c = std::exp(P[0] - mx);
+        sum += c * P[1];
+        axpy<DC>(c, P + 2, o.data(), D);
+      }
+      const float inv = 1.f / sum;
+      T* dst = out + (s * H + i) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] * inv);
+    }
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
