@@ -20,6 +20,7 @@ from eeserve import LLM, SamplingParams
 from eeserve.bench import llamacpp, llamacpp_build, peer
 from eeserve.bench.gguf_export import write_gguf_f32
 from eeserve.bench.llamacpp_native import (
+    RUNS_FOR_ROWS,
     BatchedBenchRow,
     batched_bench_command,
     parse_batched_bench,
@@ -98,6 +99,38 @@ def test_a_tool_that_prints_no_row_for_a_batch_is_an_error(tmp_path: Path) -> No
     fake.chmod(0o755)
     with pytest.raises(RuntimeError, match="unable to load model"):
         run_batched_bench(fake, tmp_path / "m.gguf", 1, 8, 7, [1])
+
+
+def _counting_tool(folder: Path, body: str) -> tuple[Path, Path]:
+    """A stand-in tool that appends a line to a count file per run, then runs ``body``."""
+    fake, count = folder / "bb", folder / "runs"
+    fake.write_text(f"#!/bin/sh\necho run >> {count}\n{body}\n")
+    fake.chmod(0o755)
+    return fake, count
+
+
+def test_a_clean_exit_that_lost_a_row_is_run_again(tmp_path: Path) -> None:
+    row = '{"pp": 8, "tg": 7, "pl": %s, "t_pp": 0.1, "t_tg": 1.0, "speed_tg": 50.0}'
+    # The first run prints batch 1's row only, the second both.
+    body = (
+        f"echo '{row % 1}'\n"
+        f"if [ \"$(wc -l < {tmp_path / 'runs'})\" -ge 2 ]; then echo '{row % 2}'; fi"
+    )
+    fake, count = _counting_tool(tmp_path, body)
+    rows = run_batched_bench(fake, tmp_path / "m.gguf", 1, 8, 7, [1, 2])
+    assert sorted(rows) == [1, 2] and len(count.read_text().splitlines()) == 2
+
+
+def test_rows_lost_on_every_run_or_a_crash_are_errors(tmp_path: Path) -> None:
+    fake, count = _counting_tool(tmp_path, "true")
+    with pytest.raises(RuntimeError, match=r"rows for batches \[\] of \[1\]"):
+        run_batched_bench(fake, tmp_path / "m.gguf", 1, 8, 7, [1])
+    assert len(count.read_text().splitlines()) == RUNS_FOR_ROWS
+    (tmp_path / "c").mkdir()
+    crash, crashes = _counting_tool(tmp_path / "c", "kill -SEGV $$")
+    with pytest.raises(RuntimeError, match="exit -11"):
+        run_batched_bench(crash, tmp_path / "m.gguf", 1, 8, 7, [1])
+    assert len(crashes.read_text().splitlines()) == 1  # a crash is not run again
 
 
 def test_ratios_are_taken_within_each_round_then_summarised() -> None:
