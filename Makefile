@@ -62,12 +62,15 @@ tune-default: fetch
 	$(BIN)/eeserve shortlist smollm2 --out eeserve/data/smollm2
 
 # gemma3-270m's tuned exit heads (eeserve/data/gemma3-270m), then its 32,768-id shortlist, which
-# its int8 drafts project onto. About 40 minutes on 2 CPU cores.
+# its int8 drafts project onto, then the calibrated classifier threshold. About an hour on 2 CPU
+# cores.
 tune-gemma3: $(STAMP)
 	$(BIN)/eeserve tune-exits gemma3-270m --exit-layers 3,6,9,12,15 --out eeserve/data/gemma3-270m \
 		--seed 0 --default-mode speculative --default-draft int8 --draft-vocab 0
 	$(BIN)/eeserve shortlist gemma3-270m --size 32768 --int8-draft-vocab 32768 --prompts 256 \
 		--out eeserve/data/gemma3-270m
+	$(BIN)/eeserve calibrate gemma3-270m --delta 0.05 --epsilon 0.05 --n 100 --max-tokens 96 \
+		--check-n 50 --out-config eeserve/data/gemma3-270m
 
 # The default model trained to exit (`LLM("smollm2-ee")`, eeserve/data/smollm2-ee): a rank-16 base
 # delta distilled from the frozen original jointly with exit heads, then heads, probes and the
