@@ -31,10 +31,10 @@ class LayerStack:
     ) -> torch.Tensor:
         """h [N, D], the input of layer ``start`` -> the output of layer ``end - 1``."""
         if self.fused is not None:
-            plan, local = meta.pass_attention(), None
-            if plan is not None and self.fused.window is not None:
-                local = meta.window_pass_attention(self.fused.window)
-            if plan is not None and (local is not None or self.fused.window is None):
+            window = self.fused.window
+            plan = meta.pass_attention()
+            local = plan if window is None else meta.window_pass_attention(window)
+            if plan is not None and local is not None:
                 kv = self.kv
                 return self.fused.run(h, rot.cos, rot.sin, kv.k, kv.v, plan, start, end, local)
         attn = partial(self.kv.attend, meta=meta)

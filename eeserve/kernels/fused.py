@@ -25,6 +25,7 @@ from eeserve.kernels.quant import Int8Linear
 from eeserve.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer
 from eeserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
+Tables = tuple[torch.Tensor, torch.Tensor]  # a layer's rotary (cos, sin), each [R, head_dim]
 # (packed weight, int8 scales or None, bias or None)
 Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
@@ -111,6 +112,8 @@ class FusedDecoder:
         self.scale = cfg.head_dim**-0.5
         # Per-layer views of the KV pools, made once per pool (``_pool_views``).
         self._pools: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        # The last pass's rotary tables and their halves (``_rotary_tables``).
+        self._tables: tuple[torch.Tensor, dict[bool, Tables]] | None = None
 
     def _pool_views(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor
@@ -150,12 +153,7 @@ class FusedDecoder:
         """``local_attn``: how the rows attend in the local layers (within the window; None:
         as ``attn``)."""
         pools = self._pool_views(k_pool, v_pool)
-        hd = self.head_dim
-        if cos.shape[1] == 2 * hd:  # cut once per pass, not per layer
-            tables = {False: (cos[:, :hd].contiguous(), sin[:, :hd].contiguous()),
-                      True: (cos[:, hd:].contiguous(), sin[:, hd:].contiguous())}  # fmt: skip
-        else:
-            tables = {False: (cos, sin), True: (cos, sin)}
+        tables = self._rotary_tables(cos, sin)
         # The same per-pass arguments for every layer: built once, not per layer call.
         metas = {local: self._pass_args(local_attn if local and local_attn else attn)
                  for local in (False, True)}  # fmt: skip
@@ -163,6 +161,19 @@ class FusedDecoder:
             layer = self.layers[i]  # its registered op itself: no wrapper frame per layer
             h = layer.op(h, *layer.weights, *tables[layer.local], *pools[i], *metas[layer.local])
         return h
+
+    def _rotary_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> dict[bool, Tables]:
+        """Global (False) and local (True) layers' (cos, sin). Gemma's [R, 2 * head_dim] tables
+        are cut into contiguous halves once per pass: the exit loop runs a pass's layers in
+        several calls with the same tables."""
+        if cos.shape[1] != 2 * self.head_dim:
+            return {False: (cos, sin), True: (cos, sin)}
+        if self._tables is None or self._tables[0] is not cos:
+            hd = self.head_dim
+            halves = {False: (cos[:, :hd].contiguous(), sin[:, :hd].contiguous()),
+                      True: (cos[:, hd:].contiguous(), sin[:, hd:].contiguous())}  # fmt: skip
+            self._tables = (cos, halves)
+        return self._tables[1]
 
     def _pass_args(self, attn: PassAttention) -> tuple[object, ...]:
         return (

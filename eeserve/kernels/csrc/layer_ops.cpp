@@ -46,6 +46,14 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptT& scale, 
   return op.call(x, w, bias, n);
 }
 
+// x [..., n] (rows may be strided) -> RMS-normed over its last dimension, contiguous.
+at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  static auto rms = c10::Dispatcher::singleton()
+                        .findSchemaOrThrow("eeserve::rms_norm", "")
+                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  return rms.call(x, w, eps);
+}
+
 // Attention of the pass's queries q [R, H, hd] (rows strided), as PagedKVCache.attend.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const OptT& row_idx, const at::Tensor& row_slots, const at::Tensor& row_lens,
@@ -87,9 +95,6 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& norm1, const at:
                          const at::Tensor& row_lens, at::IntArrayRef span_starts, at::TensorList span_slots,
                          at::TensorList span_positions, int64_t num_heads, int64_t num_kv_heads,
                          int64_t intermediate, double scale) {
-  static auto rms = c10::Dispatcher::singleton()
-                        .findSchemaOrThrow("eeserve::rms_norm", "")
-                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
   static auto rot = c10::Dispatcher::singleton()
                         .findSchemaOrThrow("eeserve::rotary_", "")
                         .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&)>();
@@ -99,7 +104,7 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& norm1, const at:
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat, "decoder_layer: h [R, D] float32");
   const int64_t R = h.size(0), D = h.size(1), hd = k_cache.size(2);
   const int64_t heads = num_heads + 2 * num_kv_heads;
-  at::Tensor qkv = project(rms.call(h, norm1, eps), qkv_w, qkv_s, qkv_b, heads * hd).view({R, heads, hd});
+  at::Tensor qkv = project(norm(h, norm1, eps), qkv_w, qkv_s, qkv_b, heads * hd).view({R, heads, hd});
   at::Tensor qk = qkv.narrow(1, 0, num_heads + num_kv_heads);
   rot.call(qk, cos, sin);
   const at::Tensor k = qkv.narrow(1, num_heads, num_kv_heads);
@@ -112,16 +117,8 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& norm1, const at:
                            .view({R, num_heads * hd});
   // Residuals added into the projections' fresh outputs: no extra allocation per layer.
   const at::Tensor mid = project(o, o_w, o_s, c10::nullopt, D).add_(h);
-  const at::Tensor gu = project(rms.call(mid, norm2, eps), gate_up_w, gate_up_s, c10::nullopt, 2 * intermediate);
+  const at::Tensor gu = project(norm(mid, norm2, eps), gate_up_w, gate_up_s, c10::nullopt, 2 * intermediate);
   return project(act.call(gu), down_w, down_s, c10::nullopt, D).add_(mid);
-}
-
-// x [..., n] (rows may be strided) -> RMS-normed over its last dimension, contiguous.
-at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  static auto rms = c10::Dispatcher::singleton()
-                        .findSchemaOrThrow("eeserve::rms_norm", "")
-                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
-  return rms.call(x, w, eps);
 }
 
 at::Tensor gemma3_layer(const at::Tensor& h, const at::Tensor& in_norm, const at::Tensor& attn_out_norm,
