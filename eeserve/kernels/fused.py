@@ -110,6 +110,12 @@ class FusedDecoder:
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.intermediate = cfg.intermediate_size
         self.scale = cfg.head_dim**-0.5
+        # Every Llama layer's weights in decode_stack's order (11 a layer, without eps), when
+        # every layer is one: a pass of decode rows then runs its layers in one call.
+        self._stack: list[object] | None = None
+        if all(layer.op is ops.ops.decoder_layer for layer in layers):
+            self.eps = layers[0].weights[2]
+            self._stack = [t for layer in layers for i, t in enumerate(layer.weights) if i != 2]
         # Per-layer views of the KV pools, made once per pool (``_pool_views``).
         self._pools: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         # The last pass's rotary tables and their halves (``_rotary_tables``).
@@ -152,15 +158,38 @@ class FusedDecoder:
     ) -> torch.Tensor:
         """``local_attn``: how the rows attend in the local layers (within the window; None:
         as ``attn``)."""
+        stop = len(self.layers) if end is None else end
+        if self._stack is not None and attn.row_idx is None and not attn.span_starts:
+            return self._decode_stack(h, cos, sin, k_pool, v_pool, attn, start, stop)
         pools = self._pool_views(k_pool, v_pool)
         tables = self._rotary_tables(cos, sin)
         # The same per-pass arguments for every layer: built once, not per layer call.
         metas = {local: self._pass_args(local_attn if local and local_attn else attn)
                  for local in (False, True)}  # fmt: skip
-        for i in range(start, len(self.layers) if end is None else end):
+        for i in range(start, stop):
             layer = self.layers[i]  # its registered op itself: no wrapper frame per layer
             h = layer.op(h, *layer.weights, *tables[layer.local], *pools[i], *metas[layer.local])
         return h
+
+    def _decode_stack(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        attn: PassAttention,
+        start: int,
+        stop: int,
+    ) -> torch.Tensor:
+        """Layers ``[start, stop)`` for rows that each attend one query (decode steps)."""
+        assert self._stack is not None
+        n = len(self._stack) // len(self.layers)
+        return self.ops.ops.decode_stack(  # type: ignore[no-any-return]
+            h.contiguous(), self._stack[start * n : stop * n], self.eps, cos, sin, k_pool, v_pool,
+            start, attn.slot_mapping, attn.row_slots.contiguous(), attn.row_lens,
+            self.num_heads, self.num_kv_heads, self.intermediate, self.scale,
+        )  # fmt: skip
 
     def _rotary_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> dict[bool, Tables]:
         """Global (False) and local (True) layers' (cos, sin). Gemma's [R, 2 * head_dim] tables

@@ -27,9 +27,13 @@ from eeserve.config import eeserve_home
 
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
-_NAMES = ("cpu_ops.cpp", "int8_ops.cpp", "f32_ops.cpp", "layer_ops.cpp", "span_attention.cpp")
+_NAMES = (
+    "cpu_ops.cpp", "int8_ops.cpp", "f32_ops.cpp", "layer_ops.cpp", "span_attention.cpp",
+    "decode_stack.cpp",
+)  # fmt: skip
 SOURCES = tuple(_CSRC / name for name in _NAMES)
-HEADERS = (_CSRC / "tile_loop.h", _CSRC / "paged_checks.h")
+_HEADER_NAMES = ("tile_loop.h", "paged_checks.h", "linear_tiles.h", "attend.h")
+HEADERS = tuple(_CSRC / name for name in _HEADER_NAMES)
 _lock = threading.Lock()
 
 

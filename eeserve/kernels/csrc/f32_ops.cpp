@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "linear_tiles.h"
 #include "tile_loop.h"
 
 #include <immintrin.h>
@@ -29,13 +30,7 @@ constexpr int NV = 2;       // channel blocks per register tile (32 outputs)
 constexpr int ROWS = 12;      // rows per tile: 2 * 12 accumulators + 2 weights
 constexpr int64_t PF = 2048;  // bytes ahead of the current input that each block is prefetched
 
-struct LinearArgs {
-  const float* x;  // [M, K]
-  const float* w;  // [blocks, K, 16]
-  const float* bias;
-  float* y;
-  int64_t M, K, N;
-};
+using LinearArgs = eeserve_linear::F32Args;
 
 // The register tile that tile_loop.h runs over rows and channels: out[m][v*16 + c] for MRT
 // rows from m0 and the NV channel blocks from n0.
@@ -98,14 +93,6 @@ struct Kernel {
   }
 };
 
-// Every range of tiles runs through this one compiled body, in a worker or inline (one thread,
-// or one tile): with -ffast-math the loop inlined at two call sites could be compiled to two
-// summation orders, and an output's value must not depend on how many tiles the call has
-// (kernels/screened_head.py recomputes a few tiles of the LM head and needs the same bits).
-__attribute__((noinline)) void run_tiles(const LinearArgs& a, int64_t lo, int64_t hi) {
-  for (int64_t t = lo; t < hi; ++t) eeserve_tiles::channel_tile<Kernel>(a, t * NV * CB);
-}
-
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                       int64_t n) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == CB && x.size(1) == w.size(1),
@@ -119,11 +106,19 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const c10::optio
   at::Tensor y = at::empty({M, n}, xc.options());
   const LinearArgs a{xc.data_ptr<float>(), w.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
                y.data_ptr<float>(), M, K, n};
-  at::parallel_for(0, w.size(0) / NV, 1, [&](int64_t lo, int64_t hi) { run_tiles(a, lo, hi); });
+  at::parallel_for(0, w.size(0) / NV, 1, [&](int64_t lo, int64_t hi) { eeserve_linear::f32_tiles(a, lo, hi); });
   return y;
 }
 
 }  // namespace
+
+// Every range of tiles runs through this one compiled body, in a worker or inline (one thread,
+// or one tile): with -ffast-math the loop inlined at two call sites could be compiled to two
+// summation orders, and an output's value must not depend on how many tiles the call has
+// (kernels/screened_head.py recomputes a few tiles of the LM head and needs the same bits).
+__attribute__((noinline)) void eeserve_linear::f32_tiles(const F32Args& a, int64_t lo, int64_t hi) {
+  for (int64_t t = lo; t < hi; ++t) eeserve_tiles::channel_tile<Kernel>(a, t * NV * CB);
+}
 
 TORCH_LIBRARY_FRAGMENT(eeserve, m) {
   m.def("f32_linear(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");

@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "linear_tiles.h"
 #include "tile_loop.h"
 
 #include <immintrin.h>
@@ -38,7 +39,7 @@ namespace {
 
 constexpr int64_t CB = 16;     // output channels per block of the packed layout
 constexpr int NV = 2;          // channel blocks per register tile (32 outputs)
-constexpr int64_t CHUNK = 32;  // inputs per activation scale (and per weight group)
+using eeserve_linear::CHUNK;  // inputs per activation scale (and per weight group)
 constexpr int64_t PAIRS = CHUNK / 2;
 // Bytes ahead of the current chunk that each block's next weights are prefetched from: 2 KB was
 // 15% faster at 1 row and 30-45% at 8 rows than the hardware prefetcher alone (0, 512 B-8 KB tried).
@@ -59,15 +60,7 @@ void quantize_row(const float* x, int64_t K, int64_t Kp, int16_t* xq, float* xs)
   }
 }
 
-struct LinearArgs {
-  const int16_t* xq;  // [M, Kp]
-  const float* xs;    // [M, Kp / 32]
-  const int8_t* w;    // [blocks, Kp / 2, 16, 2]
-  const float* scale; // [blocks, groups, 16]
-  const float* bias;
-  float* y;
-  int64_t M, Kp, N, groups;
-};
+using LinearArgs = eeserve_linear::Int8Args;
 
 // The register tile that tile_loop.h runs over rows and channels: out[m][v*16 + c] for MRT
 // rows from m0 and the NV channel blocks from n0.
@@ -173,20 +166,29 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const int64_t M = x.size(0);
   at::Tensor xq = at::empty({M, Kp}, xf.options().dtype(at::kShort));
   at::Tensor xs = at::empty({M, Kp / CHUNK}, xf.options());
-  const float* xp = xf.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)  // M * K values: small next to the weights
-    quantize_row(xp + m * K, K, Kp, xq.data_ptr<int16_t>() + m * Kp, xs.data_ptr<float>() + m * (Kp / CHUNK));
+  eeserve_linear::int8_quantize_rows(xf.data_ptr<float>(), M, K, Kp, xq.data_ptr<int16_t>(), xs.data_ptr<float>());
   at::Tensor y = at::empty({M, N}, xf.options());
   const LinearArgs a{xq.data_ptr<int16_t>(), xs.data_ptr<float>(), w.data_ptr<int8_t>(), sc.data_ptr<float>(),
                b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, Kp, N, groups};
   const int64_t tiles = w.size(0) / NV;
-  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) eeserve_tiles::channel_tile<Kernel>(a, t * NV * CB);
-  });
+  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) { eeserve_linear::int8_tiles(a, lo, hi); });
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
 }  // namespace
+
+namespace eeserve_linear {
+
+void int8_quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int16_t* xq, float* xs) {
+  for (int64_t m = 0; m < M; ++m)  // M * K values: small next to the weights
+    quantize_row(x + m * K, K, Kp, xq + m * Kp, xs + m * (Kp / CHUNK));
+}
+
+__attribute__((noinline)) void int8_tiles(const Int8Args& a, int64_t lo, int64_t hi) {
+  for (int64_t t = lo; t < hi; ++t) eeserve_tiles::channel_tile<Kernel>(a, t * NV * CB);
+}
+
+}  // namespace eeserve_linear
 
 TORCH_LIBRARY_FRAGMENT(eeserve, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias, int n) -> Tensor");
