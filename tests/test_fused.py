@@ -1,4 +1,6 @@
-"""Whole decoder layers in one kernel call (``kernels.fused``) equal the module path exactly."""
+"""Whole decoder layers in one kernel call (``kernels.fused``) equal the module path exactly; a
+pass of decode rows runs its layers in one call (``csrc/decode_stack.cpp``) with the same numbers
+whatever the layer range, context length or thread count, and bad rows raise."""
 
 from __future__ import annotations
 
@@ -56,8 +58,8 @@ def _model(ops: NativeOps, kind: str) -> LlamaForCausalLM:
     return model
 
 
-def _cache(ops: NativeOps) -> PagedKVCache:
-    kv = PagedKVCache(CFG.num_layers, 64, CFG.num_kv_heads, CFG.head_dim, torch.float32,
+def _cache(ops: NativeOps, slots: int = 64) -> PagedKVCache:
+    kv = PagedKVCache(CFG.num_layers, slots, CFG.num_kv_heads, CFG.head_dim, torch.float32,
                       torch.device("cpu"), ops)  # fmt: skip
     torch.manual_seed(1)
     kv.k.normal_()
@@ -146,3 +148,103 @@ def test_engine_runs_tiny_float32_models_through_the_fused_decoder(
     assert isinstance(runner.model.layers[0].mlp.down_proj, PackedLinear)
     plain = LLM(str(tiny_varied_dir), enable_prefix_caching=False, cpu_kernels=False)
     assert plain.engine.runner.stack.fused is None
+
+
+SLOTS = 256  # room for a 75-position context scattered over the pool
+
+
+def _long_decode_rows() -> AttnMeta:
+    """Three decode rows with contexts of 6, 40 and 75 positions (one, two and three attention
+    tasks of 32 positions), the last one's context scattered over the pool."""
+    scattered = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(2))[:75]
+    spans = [
+        SeqSpan([0], [5], torch.arange(0, 6), False),
+        SeqSpan([1], [39], torch.arange(100, 140), False),
+        SeqSpan([2], [74], scattered, False),
+    ]
+    slots = torch.stack([torch.tensor(5), torch.tensor(139), scattered[-1]])
+    meta = AttnMeta.build(spans, slots, max_rows=8)
+    assert meta.rowwise == [True, True, True]
+    return meta
+
+
+def _inputs(meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    pos = torch.tensor([p for s in meta.spans for p in s.q_positions])
+    cos, sin = (t[pos] for t in rope_tables(CFG, CFG.max_position_embeddings))
+    torch.manual_seed(3)
+    return torch.randn(len(pos), CFG.hidden_size), cos, sin
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+@pytest.mark.parametrize(("start", "end"), [(0, 3), (1, 3), (1, 2)])
+def test_a_layer_range_of_decode_rows_equals_the_module_path(
+    ops: NativeOps, kind: str, start: int, end: int
+) -> None:
+    model = _model(ops, kind)
+    fused = FusedDecoder.build(model, ops)
+    assert fused is not None
+    meta = _long_decode_rows()
+    plan = meta.pass_attention()
+    assert plan is not None and plan.row_idx is None and not plan.span_starts
+    h, cos, sin = _inputs(meta)
+    ref_kv, got_kv = _cache(ops, SLOTS), _cache(ops, SLOTS)
+    with torch.inference_mode():
+        ref = h
+        for layer in model.layers[start:end]:
+            ref = layer(ref, Rotary(cos, sin), partial(ref_kv.attend, meta=meta))
+        got = fused.run(h, cos, sin, got_kv.k, got_kv.v, plan, start, end)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6 * ref.abs().max().item())
+    torch.testing.assert_close(got_kv.k, ref_kv.k, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_kv.v, ref_kv.v, rtol=0, atol=1e-6)
+
+
+def _stack_args(ops: NativeOps, kv: PagedKVCache) -> tuple[FusedDecoder, list[object]]:
+    fused = FusedDecoder.build(_model(ops, "int8"), ops)
+    assert fused is not None
+    meta = _long_decode_rows()
+    plan = meta.pass_attention()
+    assert plan is not None
+    h, cos, sin = _inputs(meta)
+    args = [h, fused._stack, fused.eps, cos, sin, kv.k, kv.v, 0, plan.slot_mapping,
+            plan.row_slots.contiguous(), plan.row_lens, CFG.num_heads, CFG.num_kv_heads,
+            CFG.intermediate_size, CFG.head_dim**-0.5]  # fmt: skip
+    return fused, args
+
+
+def test_the_output_does_not_depend_on_the_thread_count(ops: NativeOps) -> None:
+    """Threads claim tiles and attention tasks as they come; each is computed by the same code
+    whoever claims it, so one thread and several give the same bits."""
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            kv = _cache(ops, SLOTS)
+            _, args = _stack_args(ops, kv)
+            with torch.inference_mode():
+                outs.append((ops.ops.decode_stack(*args), kv.k.clone(), kv.v.clone()))
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        for got, ref in zip(out, outs[0]):
+            assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: a.__setitem__(10, torch.tensor([1, 0, 1])), "row length 0 outside"),
+        (lambda a: a.__setitem__(8, torch.tensor([5, SLOTS, 3])), f"slot {SLOTS} outside the pool"),
+        (lambda a: a.__setitem__(1, a[1][:10]), "11 tensors per layer"),
+        (lambda a: a.__setitem__(7, 2), "layers past the pool"),
+        (lambda a: a.__setitem__(0, a[0][:, :32]), "decode_stack"),
+    ],
+)
+def test_bad_rows_raise_and_write_nothing(ops: NativeOps, change: object, message: str) -> None:
+    kv = _cache(ops, SLOTS)
+    _, args = _stack_args(ops, kv)
+    change(args)  # type: ignore[operator]
+    before = kv.k.clone()
+    with pytest.raises(RuntimeError, match=message), torch.inference_mode():
+        ops.ops.decode_stack(*args)
+    assert torch.equal(kv.k, before)

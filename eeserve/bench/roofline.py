@@ -12,7 +12,8 @@ the int8 head plus one float32 scale per id. ``gguf_bytes_per_token(path)`` is t
 llama.cpp: every tensor of the file at its stored size, the embedding table counted once as the
 LM head when the model is tied (``output.weight`` absent) and not at all otherwise. Both leave
 out the one embedding row a token reads and the KV cache (at batch 1 and a short context, a few
-hundred kB, well under 1% of the weights). ``fraction_of_roofline(tok_s, bandwidth, bytes)`` is
+hundred kB, well under 1% of the weights); ``engine_bytes_split`` gives its two parts, the decoder
+layers (with their norms) and the LM head. ``fraction_of_roofline(tok_s, bandwidth, bytes)`` is
 ``tok_s / (bandwidth / bytes)``: 1.0 means the weights stream at the measured bandwidth.
 """
 
@@ -74,6 +75,11 @@ def _weights(config: dict) -> tuple[int, int, int]:
 
 
 def engine_bytes_per_token(folder: Path, scheme: str, screened_head: bool = False) -> int:
+    return sum(engine_bytes_split(folder, scheme, screened_head))
+
+
+def engine_bytes_split(folder: Path, scheme: str, screened_head: bool = False) -> tuple[int, int]:
+    """(decoder layers with their norms, LM head): ``engine_bytes_per_token``'s two parts."""
     if scheme not in ("float32", "int8"):
         raise ValueError(f"scheme must be float32 or int8, got {scheme!r}")
     config = json.loads((folder / "config.json").read_text())
@@ -86,7 +92,7 @@ def engine_bytes_per_token(folder: Path, scheme: str, screened_head: bool = Fals
         if screened_head
         else head * per_weight
     )
-    return round(matrices * per_weight + head_bytes) + 4 * norms
+    return round(matrices * per_weight) + 4 * norms, round(head_bytes)
 
 
 def gguf_bytes_per_token(path: Path) -> int:

@@ -8,8 +8,10 @@ local rotary tables and ``local_attn``, the rows' windowed contexts). ``run`` co
 ``[start, end)`` for the rows of a pass (decode rows attended one by one, prompts and prompt
 chunks as spans of consecutive rows: ``PassAttention``), writing their K/V as
 ``LlamaDecoderLayer.forward`` with the engine's attention would, with the same kernels in the
-same order: the same numbers, without the ~15 Python calls per layer. Tensors come in plain (the
-pools, slot tables): this layer does not know the engine's cache classes.
+same order: the same numbers, without the ~15 Python calls per layer. A pass whose rows all
+attend one query each (decode steps) over Llama layers runs the whole range in one call
+(``decode_stack``, ``csrc/decode_stack.cpp``). Tensors come in plain (the pools, slot tables):
+this layer does not know the engine's cache classes.
 """
 
 from __future__ import annotations
