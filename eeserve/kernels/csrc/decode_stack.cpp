@@ -34,6 +34,7 @@
 #include <atomic>
 #include <cmath>
 #include <memory>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -239,7 +240,15 @@ void walk(const Pass& ps, Phase* phases, int64_t n_phases) {
       run_task<DC>(ps, ph, t, sc);
       ph.done.fetch_add(1, std::memory_order_release);
     }
-    while (ph.done.load(std::memory_order_acquire) < ph.tasks) _mm_pause();
+    // Spin: a phase's last tasks take microseconds. Past a few thousand pauses the thread that
+    // holds one was likely descheduled (more threads than cores), so give it the core.
+    for (int spins = 0; ph.done.load(std::memory_order_acquire) < ph.tasks; ++spins) {
+      if (spins < 4096) {
+        _mm_pause();
+      } else {
+        std::this_thread::yield();
+      }
+    }
   }
 }
 
