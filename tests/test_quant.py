@@ -89,11 +89,13 @@ def test_int8_linear_equals_the_dequantized_matmul(
 
 
 def test_round_activations_keeps_16_bits_per_chunk() -> None:
+    torch.manual_seed(0)
     x = torch.randn(3, 70) * torch.logspace(-3, 3, 70)  # chunks of very different magnitude
     r = round_activations(x)
     chunk_max = F.pad(x.abs(), (0, 26)).view(3, 3, 32).amax(2)
     bound = chunk_max.repeat_interleave(32, dim=1)[:, :70] / 65534
-    assert torch.all((r - x).abs() <= bound * 1.001)
+    # Half a step of the int16 grid, plus float32's own rounding of r - x at x's magnitude.
+    assert torch.all((r - x).abs() <= bound * 1.001 + x.abs() * 2**-23)
     assert torch.equal(round_activations(torch.zeros(2, 40)), torch.zeros(2, 40))
 
 

@@ -27,6 +27,8 @@ from eeserve.kernels.quant import Int8Linear
 from eeserve.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer
 from eeserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
+# Tensors per layer in decode_stack's weight list (decoder_layer's weights without eps).
+STACK_TENSORS = 11
 Tables = tuple[torch.Tensor, torch.Tensor]  # a layer's rotary (cos, sin), each [R, head_dim]
 # (packed weight, int8 scales or None, bias or None)
 Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -112,7 +114,7 @@ class FusedDecoder:
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.intermediate = cfg.intermediate_size
         self.scale = cfg.head_dim**-0.5
-        # Every Llama layer's weights in decode_stack's order (11 a layer, without eps), when
+        # Every Llama layer's weights in decode_stack's order (STACK_TENSORS a layer), when
         # every layer is one: a pass of decode rows then runs its layers in one call.
         self._stack: list[object] | None = None
         if all(layer.op is ops.ops.decoder_layer for layer in layers):
@@ -186,7 +188,7 @@ class FusedDecoder:
     ) -> torch.Tensor:
         """Layers ``[start, stop)`` for rows that each attend one query (decode steps)."""
         assert self._stack is not None
-        n = len(self._stack) // len(self.layers)
+        n = STACK_TENSORS
         return self.ops.ops.decode_stack(  # type: ignore[no-any-return]
             h.contiguous(), self._stack[start * n : stop * n], self.eps, cos, sin, k_pool, v_pool,
             start, attn.slot_mapping, attn.row_slots.contiguous(), attn.row_lens,

@@ -16,6 +16,7 @@
 #include <ATen/Dispatch.h>
 
 #include "attend.h"
+#include "row_ops.h"
 #include "paged_checks.h"
 
 #include <algorithm>
@@ -26,12 +27,7 @@
 namespace {
 
 using namespace eeserve_attend;
-
-template <typename T>
-inline float to_f(T x) { return static_cast<float>(x); }
-
-template <typename T>
-inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
+using namespace eeserve_rows;
 
 // ---- paged decode attention -----------------------------------------------------------------
 // q [R, H, D] (heads contiguous, rows may be strided); k_cache, v_cache [slots, Hkv, D];
@@ -100,14 +96,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 template <typename T>
 void rms_norm_kernel(const T* x, const T* w, T* out, int64_t N, int64_t D, float eps) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const T* xr = x + i * D;
-      float ss = 0.f;
-      for (int64_t d = 0; d < D; ++d) ss += to_f(xr[d]) * to_f(xr[d]);
-      const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
-      T* o = out + i * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(to_f(w[d]) * round_to<T>(to_f(xr[d]) * r));
-    }
+    for (int64_t i = begin; i < end; ++i) rms_norm_row<T>(x + i * D, w, out + i * D, D, eps);
   });
 }
 
@@ -131,22 +120,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 template <typename T>
 void rotary_kernel(T* x, const T* cos, const T* sin, int64_t N, int64_t heads, int64_t D,
                    int64_t row_stride) {
-  const int64_t half = D / 2;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const T* c = cos + i * D;
-      const T* s = sin + i * D;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* v = x + i * row_stride + h * D;
-        for (int64_t d = 0; d < half; ++d) {
-          const float a = to_f(v[d]), b = to_f(v[d + half]);
-          const float lo = round_to<T>(a * to_f(c[d])) + round_to<T>(-b * to_f(s[d]));
-          const float hi = round_to<T>(b * to_f(c[d + half])) + round_to<T>(a * to_f(s[d + half]));
-          v[d] = static_cast<T>(lo);
-          v[d + half] = static_cast<T>(hi);
-        }
-      }
-    }
+    for (int64_t i = begin; i < end; ++i) rotate_heads<T>(x + i * row_stride, cos + i * D, sin + i * D, heads, D);
   });
 }
 
@@ -170,15 +145,7 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 template <typename T>
 void silu_mul_kernel(const T* gu, T* out, int64_t N, int64_t I) {
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const T* g = gu + i * 2 * I;
-      const T* u = g + I;
-      T* o = out + i * I;
-      for (int64_t d = 0; d < I; ++d) {
-        const float a = to_f(g[d]);
-        o[d] = static_cast<T>(round_to<T>(a / (1.f + std::exp(-a))) * to_f(u[d]));
-      }
-    }
+    for (int64_t i = begin; i < end; ++i) silu_mul_row<T>(gu + i * 2 * I, out + i * I, I);
   });
 }
 

@@ -9,8 +9,8 @@
 // (layer_ops.cpp) takes, a projection's scale None when it is float32. Every row attends
 // row-wise: row r is one query at its sequence's next position, over row_slots[r, :row_lens[r]]
 // (its own slot last), and its new K/V go to slot_mapping[r] of each layer's pool. The result is
-// decoder_layer's, layer after layer, with the same linear tiles (linear_tiles.h) and attention
-// tasks (attend.h): equal up to float summation order in the norms and the rotation.
+// decoder_layer's, layer after layer, with the same linear tiles (linear_tiles.h), attention tasks
+// (attend.h) and row arithmetic (row_ops.h): equal up to float summation order.
 //
 // Why: a decode step's layer is ~15 small steps around 4 projections. As separate ops each costs
 // a dispatch, an allocation, and for the projections a parallel region that wakes the other
@@ -27,6 +27,7 @@
 
 #include "attend.h"
 #include "linear_tiles.h"
+#include "row_ops.h"
 
 #include <immintrin.h>
 
@@ -123,14 +124,6 @@ void stage_row(const Pass& ps, const Proj& p, const float* x, int64_t r) {
     std::copy(x, x + p.k, ps.xn + r * p.k);
 }
 
-// HF's RMSNorm in float32: w * (x * rsqrt(mean(x^2) + eps)).
-void rms_norm_row(const float* x, const float* w, float* out, int64_t D, float eps) {
-  float ss = 0.f;
-  for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
-  for (int64_t d = 0; d < D; ++d) out[d] = w[d] * (x[d] * inv);
-}
-
 // Tiles of projection p for every row: task t of the phase.
 void project_task(const Pass& ps, const Proj& p, float* y, int64_t t) {
   const int64_t per = (p.tiles + ps.tile_tasks_div - 1) / ps.tile_tasks_div;
@@ -152,18 +145,9 @@ int64_t project_tasks(const Pass& ps, const Proj& p) {
 
 // Row r: rotate its query and key heads (HF's rotate-half), write its K/V, scale its query.
 void rope_row(const Pass& ps, const Layer& L, int64_t r) {
-  const int64_t hd = ps.hd, half = hd / 2;
+  const int64_t hd = ps.hd;
   float* row = ps.qkv + r * (ps.H + 2 * ps.Hkv) * hd;
-  const float* c = ps.cos + r * hd;
-  const float* s = ps.sin + r * hd;
-  for (int64_t h = 0; h < ps.H + ps.Hkv; ++h) {
-    float* v = row + h * hd;
-    for (int64_t d = 0; d < half; ++d) {
-      const float a = v[d], b = v[d + half];
-      v[d] = a * c[d] + (-b * s[d]);
-      v[d + half] = b * c[d + half] + a * s[d + half];
-    }
-  }
+  eeserve_rows::rotate_heads<float>(row, ps.cos + r * hd, ps.sin + r * hd, ps.H + ps.Hkv, hd);
   const int64_t kv = ps.Hkv * hd, slot = ps.slot_mapping[r];
   std::copy(row + ps.H * hd, row + ps.H * hd + kv, L.kc + slot * kv);
   std::copy(row + ps.H * hd + kv, row + ps.H * hd + 2 * kv, L.vc + slot * kv);
@@ -206,7 +190,7 @@ void run_task(const Pass& ps, const Phase& ph, int64_t t, Scratch& sc) {
   switch (ph.step) {
     case Step::In:  // t: a row
       if (ph.layer > 0) add_rows(ps.proj + t * D, ps.mid + t * D, ps.hout + t * D, D);
-      rms_norm_row(layer_input(ps, ph.layer) + t * D, L.norm1, ps.xn + t * D, D, ps.eps);
+      eeserve_rows::rms_norm_row<float>(layer_input(ps, ph.layer) + t * D, L.norm1, ps.xn + t * D, D, ps.eps);
       return stage_row(ps, L.qkv, ps.xn + t * D, t);
     case Step::Qkv: return project_task(ps, L.qkv, ps.qkv, t);
     case Step::Rope: return rope_row(ps, L, t);
@@ -215,15 +199,12 @@ void run_task(const Pass& ps, const Phase& ph, int64_t t, Scratch& sc) {
     case Step::O: return project_task(ps, L.o, ps.proj, t);
     case Step::Mid:
       add_rows(ps.proj + t * D, layer_input(ps, ph.layer) + t * D, ps.mid + t * D, D);
-      rms_norm_row(ps.mid + t * D, L.norm2, ps.xn + t * D, D, ps.eps);
+      eeserve_rows::rms_norm_row<float>(ps.mid + t * D, L.norm2, ps.xn + t * D, D, ps.eps);
       return stage_row(ps, L.gate_up, ps.xn + t * D, t);
     case Step::GateUp: return project_task(ps, L.gate_up, ps.proj, t);
-    case Step::Act: {
-      const float* g = ps.proj + t * 2 * I;
-      float* out = ps.xn + t * I;
-      for (int64_t d = 0; d < I; ++d) out[d] = g[d] / (1.f + std::exp(-g[d])) * g[I + d];
-      return stage_row(ps, L.down, out, t);
-    }
+    case Step::Act:
+      eeserve_rows::silu_mul_row<float>(ps.proj + t * 2 * I, ps.xn + t * I, I);
+      return stage_row(ps, L.down, ps.xn + t * I, t);
     case Step::Down: return project_task(ps, L.down, ps.proj, t);
     case Step::Out: return add_rows(ps.proj + t * D, ps.mid + t * D, ps.hout + t * D, D);
   }
