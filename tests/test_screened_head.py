@@ -14,7 +14,7 @@ import torch
 from eeserve.kernels.native import NativeOps, load
 from eeserve.kernels.packing import PackedLinear
 from eeserve.kernels.quant import Int8Linear, quantize_int8
-from eeserve.kernels.screened_head import MAX_ROWS, ScreenedHead, head_logits
+from eeserve.kernels.screened_head import ScreenedHead, head_logits
 from eeserve.sampling_params import SamplingParams
 from tests.tiny_model import make_llm, random_prompt
 
@@ -46,7 +46,7 @@ def peaked_inputs(w: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
     return w[ids] * 30 + torch.randn(rows, w.shape[1], generator=g)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 12, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 12, 16, 40])
 @pytest.mark.parametrize("dim", [64, 72])  # 72: not a multiple of 32, one scale per row
 def test_top_keeps_the_float_heads_argmax_and_bits(ops: NativeOps, rows: int, dim: int) -> None:
     w, head, screened = head_pair(ops, 8000, dim, seed=rows)
@@ -82,9 +82,26 @@ def test_bound_covers_the_screens_error(ops: NativeOps, scale: float) -> None:
     assert (err <= screened.bound(x)).all()
 
 
-def test_more_rows_than_max_rows_get_the_whole_head(ops: NativeOps) -> None:
+@pytest.mark.parametrize(("vocab", "rows"), [(8010, 1), (8010, 7), (1000, 13), (40, 2)])
+def test_screen_kernel_reduces_the_screens_logits_and_bound(
+    ops: NativeOps, vocab: int, rows: int
+) -> None:
+    """int8_screen's per-tile max(a + b) and per-row max(a - b) are those of the int8 logits a
+    and the bound b computed in full (a partial last tile, a partial last task of 16 tiles)."""
+    w, _, screened = head_pair(ops, vocab, 64, seed=vocab + rows)
+    x = peaked_inputs(w, rows, seed=rows)
+    s = screened.screen
+    hi, floor = ops.int8_screen(x, s.qweight, s.scale, vocab, screened.coeff(x), screened.row_scale)
+    a, b = s(x), screened.bound(x)
+    tiles = -(-vocab // 32)
+    up = torch.nn.functional.pad(a + b, (0, tiles * 32 - vocab), value=float("-inf"))
+    torch.testing.assert_close(hi, up.view(rows, tiles, 32).amax(-1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(floor, (a - b).amax(-1), rtol=1e-6, atol=1e-6)
+
+
+def test_whole_head_when_the_screen_keeps_too_many_tiles(ops: NativeOps) -> None:
     _, head, screened = head_pair(ops, 512, 64, seed=5)
-    x = torch.randn(MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(6))
+    x = torch.zeros(3, 64)  # every logit 0: every tile can hold the maximum
     assert torch.equal(screened.top(x), head(x))
     assert torch.equal(head_logits(screened, x, argmax_only=False), head(x))
 

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _NAMES = (
     "cpu_ops.cpp", "int8_ops.cpp", "f32_ops.cpp", "layer_ops.cpp", "span_attention.cpp",
-    "decode_stack.cpp",
+    "decode_stack.cpp", "screen_ops.cpp",
 )  # fmt: skip
 SOURCES = tuple(_CSRC / name for name in _NAMES)
 _HEADER_NAMES = ("tile_loop.h", "paged_checks.h", "linear_tiles.h", "attend.h", "row_ops.h")
@@ -92,6 +92,22 @@ class NativeOps:
         """x [M, K] float32/bfloat16; qweight int8 and scale [.., groups, 16] float32 in
         ``quant.pack_int8``'s layout; bias [N] float32 or None -> [M, N] in x's dtype."""
         return self.ops.int8_linear(x, qweight, scale, bias, out_features)  # type: ignore[no-any-return]
+
+    def int8_screen(
+        self,
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        out_features: int,
+        coeff: torch.Tensor,
+        row_scale: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] float32, an int8 weight in ``int8_linear``'s layout, coeff [M], row_scale [N]
+        -> (hi [M, ceil(N / 32)], floor [M]): per 32-id tile the largest logit plus its bound
+        coeff[m] * row_scale[i], and per row the largest logit minus it
+        (``csrc/screen_ops.cpp``)."""
+        hi, floor = self.ops.int8_screen(x, qweight, scale, out_features, coeff, row_scale)
+        return hi, floor
 
     def decoder_layer(self, *args: object) -> torch.Tensor:
         """One whole decoder layer for a pass's rows; the arguments of ``csrc/layer_ops.cpp``."""

@@ -26,9 +26,12 @@ kernel on the same rows of x (its arithmetic per output depends only on x's row 
 output's weights: ``csrc/f32_ops.cpp``), so their logits are the full head's, bit for bit. On
 SmolLM2-135M and Gemma-3-270M text the screen keeps 8 and 21 ids a row on average (at most 82
 and 192 over 1,024 positions; the bound is ~300x the largest error seen), so a step reads the
-int8 head (1 + 4/32 bytes a weight) and a few float tiles instead of 4 bytes a weight. With more
-than ``MAX_ROWS`` rows, or when more than ``MAX_TILE_SHARE`` of the tiles would be kept, the
-full head runs instead.
+int8 head (1 + 4/32 bytes a weight) and a few float tiles instead of 4 bytes a weight. The screen
+pass (``csrc/screen_ops.cpp``) reduces its logits and bounds to a maximum per row and 32-id tile
+inside the kernel, so no [M, V] temporary is written and the screen pays at any number of rows:
+where a step is compute-bound (many rows), the int8 kernel's integer multiply-adds still cost
+less than float FMAs over the whole head. When more than ``MAX_TILE_SHARE`` of the tiles would
+be kept, the full head runs instead.
 """
 
 from __future__ import annotations
@@ -42,10 +45,6 @@ from eeserve.kernels.quant import GROUP_SIZE, Int8Linear
 
 # Beyond this share of kept tiles the float pass over them costs about what the full head does.
 MAX_TILE_SHARE = 0.25
-# Beyond this many rows the screen's [M, V] temporaries and its int8 pass cost about what they
-# save: Gemma-3-270M full depth 1.48x at batch 1, 1.21x at 8, 1.00x at 16, 0.70x at 32
-# (docs/cpu-performance.md).
-MAX_ROWS = 16
 # |q| <= 127 over a group of 32 inputs, each activation off by at most amax / 65534.
 _ACTIVATION_TERM = 127 * GROUP_SIZE / 65534
 _MARGIN = 1 + 2**-8
@@ -61,6 +60,7 @@ class ScreenedHead(nn.Module):
         self.vocab_size, self.in_features = weight.shape
         # Reuse an int8 copy of the same weight when there is one (the int8 drafter's head).
         self.screen = screen if screen is not None else Int8Linear(weight.detach(), None, head.ops)
+        assert self.screen.bias is None and self.screen.ops is not None
         # One scale per row for the bound (the largest of the row's): a bound [M, V] then costs
         # 4 bytes a row, not 4 per 32 weights, for a few more ids kept (3.5 -> 7.5 on average).
         self.row_scale = self.screen.row_scales()  # [V]
@@ -70,29 +70,33 @@ class ScreenedHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(x)  # type: ignore[no-any-return]
 
-    def bound(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> b [M, V] with |head(x) - screen(x)| <= b (module docstring)."""
+    def coeff(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> c [M], margin included: the bound is c[m] * row_scale[i] (module
+        docstring)."""
         m, k = x.shape
         ax = x.abs()
         width = -(-k // GROUP_SIZE) * GROUP_SIZE
         chunk_max = F.pad(ax, (0, width - k)).view(m, -1, GROUP_SIZE).amax(-1)  # [M, chunks]
         coeff = ax.sum(-1) * (0.5 + 254 * k * 2**-24) + chunk_max.sum(-1) * _ACTIVATION_TERM
-        return torch.outer(coeff * _MARGIN, self.row_scale)
+        return (coeff * _MARGIN).contiguous()
+
+    def bound(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> b [M, V] with |head(x) - screen(x)| <= b (module docstring)."""
+        return torch.outer(self.coeff(x), self.row_scale)
 
     def top(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, V]: the full head's logits where a row's maximum can be, -inf
         elsewhere (module docstring)."""
         x = x.reshape(-1, self.in_features).float().contiguous()
-        if x.shape[0] > MAX_ROWS:
-            return self.head(x)  # type: ignore[no-any-return]
-        approx = self.screen(x).float()  # [M, V]
-        b = self.bound(x)
-        floor = (approx - b).amax(dim=-1, keepdim=True)  # [M, 1]: no maximum lies below it
-        keep = approx.add_(b).ge_(floor)  # [M, V] bool
-        num_tiles = self.tiles.shape[0]
-        width = num_tiles * TILE
-        kept = F.pad(keep, (0, width - self.vocab_size)).view(-1, num_tiles, TILE).any(-1).any(0)
+        s = self.screen
+        # Per row and 32-id tile: max(a + b) [M, T]; per row: max(a - b) [M], below which no
+        # row's maximum lies. The [M, V] screen logits stay inside the kernel.
+        hi, floor = self.ops.int8_screen(
+            x, s.qweight, s.scale, self.vocab_size, self.coeff(x), self.row_scale
+        )
+        kept = (hi >= floor[:, None]).any(0)  # [T]
         ids = kept.nonzero().flatten()  # [n] tile indices
+        num_tiles = self.tiles.shape[0]
         if ids.numel() > MAX_TILE_SHARE * num_tiles:
             return self.head(x)  # type: ignore[no-any-return]
         weights = self.tiles[ids].reshape(-1, self.in_features, TILE // 2)
