@@ -127,3 +127,24 @@ def test_row_scales_are_each_rows_largest_scale_in_either_layout(
     w = torch.randn(1000, 96, generator=torch.Generator().manual_seed(7))
     linear = Int8Linear(w, None, ops if kernel else None)
     assert torch.equal(linear.row_scales(), quantize_int8(w)[1].amax(dim=1))
+
+
+def test_top_after_top_holds_only_the_second_calls_logits(ops: NativeOps) -> None:
+    """``top`` writes one buffer kept across calls: a call after a larger one still has -inf
+    everywhere but its own kept tiles (those of the earlier call are reset)."""
+    w, head, screened = head_pair(ops, 4000, 64, seed=9)
+    first, second = peaked_inputs(w, 6, seed=1), peaked_inputs(w, 3, seed=2)
+    screened.top(first)
+    again = screened.top(second)
+    fresh = ScreenedHead(head, w).top(second)
+    assert torch.equal(again, fresh)
+    assert torch.equal(again.argmax(-1), head(second).argmax(-1))
+
+
+def test_tiles_at_an_index_outside_the_weight_raise(ops: NativeOps) -> None:
+    _, head, _ = head_pair(ops, 100, 64, seed=3)  # 4 tiles
+    x = torch.randn(2, 64)
+    assert torch.equal(ops.f32_tiles_at(x, head.packed, torch.tensor([3, 0])), torch.cat(
+        [head(x)[:, 96:100], torch.zeros(2, 28), head(x)[:, :32]], 1))  # fmt: skip
+    with pytest.raises(RuntimeError, match="tile 4 of 4"):
+        ops.f32_tiles_at(x, head.packed, torch.tensor([0, 4]))

@@ -109,6 +109,13 @@ class NativeOps:
         hi, floor = self.ops.int8_screen(x, qweight, scale, out_features, coeff, row_scale)
         return hi, floor
 
+    def f32_tiles_at(
+        self, x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """x [M, K] float32, a float32 weight in ``f32_linear``'s layout, ids [n] int64 tile
+        indices -> [M, 32 n]: the 32 outputs of each tile ids[j] of ``f32_linear(x, weight)``."""
+        return self.ops.f32_tiles_at(x, weight, ids)  # type: ignore[no-any-return]
+
     def decoder_layer(self, *args: object) -> torch.Tensor:
         """One whole decoder layer for a pass's rows; the arguments of ``csrc/layer_ops.cpp``."""
         return self.ops.decoder_layer(*args)  # type: ignore[no-any-return]

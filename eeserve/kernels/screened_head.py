@@ -64,8 +64,10 @@ class ScreenedHead(nn.Module):
         # One scale per row for the bound (the largest of the row's): a bound [M, V] then costs
         # 4 bytes a row, not 4 per 32 weights, for a few more ids kept (3.5 -> 7.5 on average).
         self.row_scale = self.screen.row_scales()  # [V]
-        # Tiles of 32 output rows: [T, 2 blocks, K, 16] view of the packed float weight.
-        self.tiles = head.packed.view(-1, 2, self.in_features, TILE // 2)
+        self.num_tiles = head.packed.shape[0] // 2  # of 32 output rows (2 packed blocks each)
+        # ``top``'s output [rows, V], kept across calls: -inf but for the columns last written.
+        self._out = torch.empty(0, self.vocab_size, device=weight.device)
+        self._written: torch.Tensor | None = None  # those columns
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(x)  # type: ignore[no-any-return]
@@ -86,7 +88,10 @@ class ScreenedHead(nn.Module):
 
     def top(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, V]: the full head's logits where a row's maximum can be, -inf
-        elsewhere (module docstring)."""
+        elsewhere (module docstring). The result is this head's own buffer, valid until its next
+        ``top``: read it (an argmax), do not keep or write it. A fresh [M, V] tensor would cost
+        its page faults on every step (~10 ms at 32 rows of a 262k vocabulary on the 2-core VM),
+        more than the float tiles."""
         x = x.reshape(-1, self.in_features).float().contiguous()
         s = self.screen
         # Per row and 32-id tile: max(a + b) [M, T]; per row: max(a - b) [M], below which no
@@ -96,16 +101,24 @@ class ScreenedHead(nn.Module):
         )
         kept = (hi >= floor[:, None]).any(0)  # [T]
         ids = kept.nonzero().flatten()  # [n] tile indices
-        num_tiles = self.tiles.shape[0]
-        if ids.numel() > MAX_TILE_SHARE * num_tiles:
+        if ids.numel() > MAX_TILE_SHARE * self.num_tiles:
             return self.head(x)  # type: ignore[no-any-return]
-        weights = self.tiles[ids].reshape(-1, self.in_features, TILE // 2)
-        exact = self.ops.f32_linear(x, weights, None, ids.numel() * TILE)  # [M, n * 32]
+        exact = self.ops.f32_tiles_at(x, self.head.packed, ids)  # [M, n * 32]
         cols = (ids[:, None] * TILE + torch.arange(TILE, device=x.device)).flatten()
         valid = cols < self.vocab_size  # the last tile may run past V
-        out = torch.full((x.shape[0], self.vocab_size), float("-inf"), device=x.device)
-        out[:, cols[valid]] = exact[:, valid]
+        out = self._output(x.shape[0])
+        self._written = cols[valid]
+        out[:, self._written] = exact[:, valid]
         return out
+
+    def _output(self, rows: int) -> torch.Tensor:
+        """The first ``rows`` rows of the output buffer, -inf everywhere."""
+        if self._out.shape[0] < rows:
+            self._out = torch.full((rows, self.vocab_size), float("-inf"), device=self._out.device)
+        elif self._written is not None:
+            self._out[:, self._written] = float("-inf")
+        self._written = None
+        return self._out[:rows]
 
 
 def screened(head: PackedLinear, weight: torch.Tensor, int8: nn.Module | None = None) -> nn.Module:

@@ -11,7 +11,13 @@
 // there: the [M, n] logits and bounds are never written to memory, which at 32 rows of a
 // 262k-id head cost more than the int8 pass itself.
 //
-// Registered as torch.ops.eeserve.int8_screen (native.py builds it with the other kernels).
+// f32_tiles_at(x, w, ids) -> [M, 32 n] for x [M, K] float32, w a float32 weight in f32_linear's
+// layout (f32_ops.cpp, [2 T, K, 16]) and ids [n] int64 tile indices: columns 32 j .. 32 j + 31
+// are outputs 32 ids[j] .. of f32_linear(x, w) (zero past its N), computed by f32_tiles, the
+// linear's own code, on the same rows: the same bits, without gathering the tiles' weights.
+//
+// Registered as torch.ops.eeserve.int8_screen and .f32_tiles_at (native.py builds them with the
+// other kernels).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -93,10 +99,38 @@ std::tuple<at::Tensor, at::Tensor> int8_screen(const at::Tensor& x, const at::Te
   return {hi, std::get<0>(floors.max(0))};
 }
 
+at::Tensor f32_tiles_at(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ids) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "f32_tiles_at: x [M, K] float32");
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == CB && w.size(1) == x.size(1) && w.size(0) % 2 == 0 &&
+                  w.scalar_type() == at::kFloat && w.is_contiguous(),
+              "f32_tiles_at: w [2 T, K, 16] contiguous float32");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "f32_tiles_at: ids [n] int64");
+  const at::Tensor xf = x.contiguous(), tid = ids.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), n = ids.numel(), T = w.size(0) / 2;
+  const int64_t* t = tid.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) TORCH_CHECK(t[j] >= 0 && t[j] < T, "f32_tiles_at: tile ", t[j], " of ", T);
+  at::Tensor y = at::empty({M, n * TILE}, xf.options());
+  const float *xp = xf.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf(M * TILE);  // [M, 32]: one tile's outputs
+    for (int64_t j = lo; j < hi; ++j) {
+      const eeserve_linear::F32Args a{xp, wp + t[j] * 2 * K * CB, nullptr, buf.data(), M, K, TILE};
+      eeserve_linear::f32_tiles(a, 0, 1);
+      for (int64_t m = 0; m < M; ++m) std::copy(buf.data() + m * TILE, buf.data() + (m + 1) * TILE, yp + (m * n + j) * TILE);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eeserve, m) {
   m.def("int8_screen(Tensor x, Tensor w, Tensor scale, int n, Tensor coeff, Tensor row_scale) -> (Tensor, Tensor)");
+  m.def("f32_tiles_at(Tensor x, Tensor w, Tensor ids) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(eeserve, CPU, m) { m.impl("int8_screen", &int8_screen); }
+TORCH_LIBRARY_IMPL(eeserve, CPU, m) {
+  m.impl("int8_screen", &int8_screen);
+  m.impl("f32_tiles_at", &f32_tiles_at);
+}
