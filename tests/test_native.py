@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from eeserve.engine import attention
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.kernels.native import NativeOps, load
+from eeserve.models.gemma3 import gelu_tanh_and_mul
 from eeserve.models.llama import Rotary, apply_rotary, silu_and_mul
 from tests.tiny_model import make_llm
 
@@ -66,6 +67,12 @@ def test_rotary_rotates_a_strided_view_in_place(ops: NativeOps, dtype: torch.dty
 def test_silu_mul(ops: NativeOps, dtype: torch.dtype) -> None:
     gate_up = torch.randn(9, 2 * 40).to(dtype) * 4
     close(ops.silu_mul(gate_up), silu_and_mul(gate_up), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_mul(ops: NativeOps, dtype: torch.dtype) -> None:
+    gate_up = torch.randn(9, 2 * 40).to(dtype) * 4
+    close(ops.gelu_mul(gate_up), gelu_tanh_and_mul(gate_up), dtype)
 
 
 def _reference_decode(q, k_pool, v_pool, slots, lens):  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from eeserve import LLM, RequestOutput, SamplingParams
-from eeserve.engine.sampler import Sampler
+from eeserve.engine.sampler import Sampler, greedy_tokens
 from tests.tiny_model import make_llm, random_prompt
 
 # -- SamplingParams ------------------------------------------------------------------------
@@ -425,3 +425,17 @@ def test_random_prompts_sample_without_error(llm: LLM) -> None:
     for o in outs:
         assert len(o.outputs[0].token_ids) == 8
         assert all(0 <= t < 320 for t in o.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("vocab", [1000, 16 * 1024, 40 * 1024 + 300, 262144])
+def test_greedy_tokens_are_argmax_with_ties_tails_and_nans(vocab: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(7, vocab, generator=g)
+    x[1, 5000 % vocab] = x[1, vocab - 1] = 50.0  # a tie: the first index wins
+    x[2, -1] = 60.0  # the maximum in the last ids (past the last whole chunk of 1,024)
+    x[3] = float("-inf")  # nothing but -inf: index 0
+    x[4, 17] = float("nan")  # a NaN is argmax's maximum
+    x[5, 3] = x[5, 2000 % vocab] = float("inf")
+    x[6, :] = 0.0  # all equal
+    assert torch.equal(greedy_tokens(x), x.argmax(-1))
+    assert torch.equal(greedy_tokens(x[:, : vocab - 1]), x[:, : vocab - 1].argmax(-1))  # strided

@@ -26,7 +26,7 @@ class Sampler:
         self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]
     ) -> torch.Tensor:
         logits = logits.float()
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return tokens
@@ -68,6 +68,34 @@ class Sampler:
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         return logits.softmax(dim=-1)
+
+
+# Chunk of a row whose maximum is taken at once (``greedy_tokens``).
+_CHUNK = 1024
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` for logits [B, V] float32: the first index of each row's maximum.
+    torch's argmax tracks an index per element and runs ~10x slower on CPU than its plain
+    maximum (~4 ms over 32 rows of a 262k vocabulary), so long rows take the maximum of each
+    chunk of 1,024 ids, then the argmax inside the first chunk that holds the row's maximum.
+    Rows with a NaN (argmax's maximum) take argmax itself."""
+    b, v = logits.shape
+    n = v - v % _CHUNK
+    if n < 16 * _CHUNK or logits.stride(1) != 1:
+        return logits.argmax(dim=-1)
+    chunk_max = logits[:, :n].view(b, n // _CHUNK, _CHUNK).amax(-1)  # [B, C]
+    row_max = chunk_max.amax(-1)  # [B]
+    if n < v:
+        row_max = torch.maximum(row_max, logits[:, n:].amax(-1))
+    hit = chunk_max == row_max[:, None]  # [B, C]: a NaN row hits nothing
+    if not bool(hit.any(-1).all()):  # a row's maximum is NaN or only in the tail
+        return logits.argmax(dim=-1)
+    first = hit.to(torch.uint8).argmax(-1)  # [B] the first chunk with the maximum
+    rows = torch.arange(b, device=logits.device)
+    starts = first * _CHUNK
+    span = logits[:, :n].view(b, n // _CHUNK, _CHUNK)[rows, first]  # [B, 1024]
+    return starts + span.argmax(-1)
 
 
 def race(weights: torch.Tensor, generator: torch.Generator | None) -> int:

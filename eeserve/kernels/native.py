@@ -81,6 +81,10 @@ class NativeOps:
         """[N, 2I] (gate, then up) -> silu(gate) * up [N, I]."""
         return self.ops.silu_mul(gate_up)  # type: ignore[no-any-return]
 
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[N, 2I] (gate, then up) -> gelu_tanh(gate) * up [N, I] (Gemma's GeGLU)."""
+        return self.ops.gelu_mul(gate_up)  # type: ignore[no-any-return]
+
     def int8_linear(
         self,
         x: torch.Tensor,

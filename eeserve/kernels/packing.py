@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from eeserve.kernels.native import NativeOps
+from eeserve.models.gemma3 import gelu_tanh_and_mul
 from eeserve.models.llama import LlamaForCausalLM, RMSNorm, Rotary, silu_and_mul
 
 # The engine kernels' layout: blocks of 16 output channels side by side, tiles of 2 such blocks.
@@ -134,6 +135,8 @@ def use_native_ops(model: LlamaForCausalLM, ops: NativeOps) -> None:
         # Every norm of the layer: Llama's two; Gemma's four and its per-head q/k norms.
         native_norms(layer, ops)
         layer.self_attn.rotary = rotary
-        if layer.mlp.act is silu_and_mul:  # SwiGLU only (Gemma's GeGLU keeps its own)
+        if layer.mlp.act is silu_and_mul:  # Llama's SwiGLU
             layer.mlp.act = ops.silu_mul
+        elif layer.mlp.act is gelu_tanh_and_mul:  # Gemma's GeGLU
+            layer.mlp.act = ops.gelu_mul
     model.model.norm = NativeRMSNorm(model.model.norm, ops)  # type: ignore[arg-type]

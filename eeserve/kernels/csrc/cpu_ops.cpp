@@ -140,16 +140,18 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-// ---- SwiGLU activation --------------------------------------------------------------------------
-// gate_up [N, 2I] (gate first) -> silu(gate) * up [N, I], silu's output rounded as in HF.
-template <typename T>
-void silu_mul_kernel(const T* gu, T* out, int64_t N, int64_t I) {
+// ---- GLU activations --------------------------------------------------------------------------
+// gate_up [N, 2I] (gate first) -> act(gate) * up [N, I], act's output rounded as in HF: SiLU
+// (SwiGLU) or tanh GELU (GeGLU), one row function of row_ops.h each.
+template <typename T, void (*Row)(const T*, T*, int64_t)>
+void glu_kernel(const T* gu, T* out, int64_t N, int64_t I) {
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) silu_mul_row<T>(gu + i * 2 * I, out + i * I, I);
+    for (int64_t i = begin; i < end; ++i) Row(gu + i * 2 * I, out + i * I, I);
   });
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+template <bool Gelu>
+at::Tensor glu(const at::Tensor& gate_up) {
   auto gu = gate_up.contiguous();
   const int64_t two_i = gu.size(-1);
   TORCH_CHECK(two_i % 2 == 0, "gate_up's last dimension must be even");
@@ -157,11 +159,18 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   sizes.back() = two_i / 2;
   auto out = at::empty(sizes, gu.options());
   const int64_t N = gu.numel() / std::max<int64_t>(two_i, 1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu_mul", [&] {
-    silu_mul_kernel<scalar_t>(gu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), N, two_i / 2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "glu", [&] {
+    if constexpr (Gelu) {
+      glu_kernel<scalar_t, gelu_tanh_mul_row<scalar_t>>(gu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), N, two_i / 2);
+    } else {
+      glu_kernel<scalar_t, silu_mul_row<scalar_t>>(gu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), N, two_i / 2);
+    }
   });
   return out;
 }
+
+at::Tensor silu_mul(const at::Tensor& gate_up) { return glu<false>(gate_up); }
+at::Tensor gelu_mul(const at::Tensor& gate_up) { return glu<true>(gate_up); }
 
 }  // namespace
 
@@ -170,6 +179,7 @@ TORCH_LIBRARY(eeserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eeserve, CPU, m) {
@@ -177,4 +187,5 @@ TORCH_LIBRARY_IMPL(eeserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_", &rotary_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("gelu_mul", &gelu_mul);
 }

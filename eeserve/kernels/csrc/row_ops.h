@@ -4,7 +4,8 @@
 // Contract: each function reads one row in T (float32, bfloat16 or float16), computes in float32
 // and rounds to T where HF transformers' arithmetic rounds. rms_norm_row: w * (x * rsqrt(mean(x^2)
 // + eps)) over D values. rotate_heads: HF's rotate-half in place on `heads` contiguous heads of
-// size D with the row's cos/sin [D]. silu_mul_row: silu(gate) * up from a row [gate I | up I].
+// size D with the row's cos/sin [D]. silu_mul_row: silu(gate) * up from a row [gate I | up I];
+// gelu_tanh_mul_row: the same with PyTorch's tanh-approximate GELU (Gemma's GeGLU).
 
 #pragma once
 
@@ -48,6 +49,17 @@ inline void silu_mul_row(const T* gate_up, T* out, int64_t I) {
   for (int64_t d = 0; d < I; ++d) {
     const float a = to_f(gate_up[d]);
     out[d] = static_cast<T>(round_to<T>(a / (1.f + std::exp(-a))) * to_f(u[d]));
+  }
+}
+
+template <typename T>
+inline void gelu_tanh_mul_row(const T* gate_up, T* out, int64_t I) {
+  constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
+  const T* u = gate_up + I;
+  for (int64_t d = 0; d < I; ++d) {
+    const float a = to_f(gate_up[d]);
+    const float g = 0.5f * a * (1.f + std::tanh(k0 * (a + k1 * a * a * a)));
+    out[d] = static_cast<T>(round_to<T>(g) * to_f(u[d]));
   }
 }
 
