@@ -89,7 +89,7 @@ def _reference_decode(q, k_pool, v_pool, slots, lens):  # type: ignore[no-untype
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hd", [16, 64, 128])
+@pytest.mark.parametrize("hd", [16, 64, 128, 256])
 @pytest.mark.parametrize(("seqs", "heads", "kv_heads"), [(1, 4, 2), (6, 9, 3), (3, 4, 4)])
 def test_decode_attention_reads_the_pool_in_place(
     ops: NativeOps, dtype: torch.dtype, hd: int, seqs: int, heads: int, kv_heads: int
@@ -198,7 +198,7 @@ def _reference_span(q, k_pool, v_pool, slots, positions):  # type: ignore[no-unt
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hd", [16, 64, 128])
+@pytest.mark.parametrize("hd", [16, 64, 128, 256])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4)])
 @pytest.mark.parametrize(
     ("start", "n", "ctx"),

@@ -84,6 +84,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
       run(decode_attention_kernel<scalar_t, 128>);
     } else if (D == 96) {
       run(decode_attention_kernel<scalar_t, 96>);
+    } else if (D == 256) {  // Gemma 3
+      run(decode_attention_kernel<scalar_t, 256>);
     } else {
       run(decode_attention_kernel<scalar_t, 0>);
     }

@@ -272,6 +272,8 @@ at::Tensor span_attention(const at::Tensor& q, const at::Tensor& k_cache,
       run(span_attention_kernel<scalar_t, 4>);
     } else if (D == 128) {
       run(span_attention_kernel<scalar_t, 8>);
+    } else if (D == 256) {  // Gemma 3
+      run(span_attention_kernel<scalar_t, 16>);
     } else {
       run(span_attention_kernel<scalar_t, 0>);
     }
