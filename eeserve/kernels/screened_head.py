@@ -65,7 +65,8 @@ class ScreenedHead(nn.Module):
         # 4 bytes a row, not 4 per 32 weights, for a few more ids kept (3.5 -> 7.5 on average).
         self.row_scale = self.screen.row_scales()  # [V]
         self.num_tiles = head.packed.shape[0] // 2  # of 32 output rows (2 packed blocks each)
-        # ``top``'s output [rows, V], kept across calls: -inf but for the columns last written.
+        # ``top``'s output [rows, V], kept across calls (as large as the most rows seen): -inf
+        # but for the columns last written.
         self._out = torch.empty(0, self.vocab_size, device=weight.device)
         self._written: torch.Tensor | None = None  # those columns
 
@@ -131,8 +132,9 @@ def screened(head: PackedLinear, weight: torch.Tensor, int8: nn.Module | None = 
 
 
 def head_logits(head: nn.Module, x: torch.Tensor, argmax_only: bool) -> torch.Tensor:
-    """[M, D] -> [M, V] float32 logits: screened (``ScreenedHead.top``) when only their argmax
-    is read and the head has a screen, every logit otherwise."""
+    """[M, D] -> [M, V] float32 logits: screened (``ScreenedHead.top``, whose result is the
+    head's own buffer until its next call) when only their argmax is read and the head has a
+    screen, every logit otherwise."""
     if argmax_only and isinstance(head, ScreenedHead):
         return head.top(x)
     return head(x).float()  # type: ignore[no-any-return]
