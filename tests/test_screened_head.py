@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eeserve.kernels import screened_head
 from eeserve.kernels.native import NativeOps, load
 from eeserve.kernels.packing import PackedLinear
 from eeserve.kernels.quant import Int8Linear, quantize_int8
@@ -139,6 +140,19 @@ def test_top_after_top_holds_only_the_second_calls_logits(ops: NativeOps) -> Non
     fresh = ScreenedHead(head, w).top(second)
     assert torch.equal(again, fresh)
     assert torch.equal(again.argmax(-1), head(second).argmax(-1))
+
+
+def test_steps_above_keep_rows_leave_the_kept_buffer_alone(
+    ops: NativeOps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(screened_head, "KEEP_ROWS", 4)
+    w, head, screened = head_pair(ops, 4000, 64, seed=10)
+    small, large = peaked_inputs(w, 3, seed=3), peaked_inputs(w, 6, seed=4)
+    screened.top(small)
+    big = screened.top(large)  # a fresh tensor: the buffer still holds the small call's columns
+    assert torch.equal(big, ScreenedHead(head, w).top(large))
+    again = screened.top(peaked_inputs(w, 2, seed=5))
+    assert torch.equal(again, ScreenedHead(head, w).top(peaked_inputs(w, 2, seed=5)))
 
 
 def test_tiles_at_an_index_outside_the_weight_raise(ops: NativeOps) -> None:

@@ -45,6 +45,9 @@ from eeserve.kernels.quant import GROUP_SIZE, Int8Linear
 
 # Beyond this share of kept tiles the float pass over them costs about what the full head does.
 MAX_TILE_SHARE = 0.25
+# ``top`` keeps its output buffer for steps of up to this many rows (at most 64 MB for a 262k
+# vocabulary); a larger step gets a fresh tensor and pays its page faults.
+KEEP_ROWS = 64
 # |q| <= 127 over a group of 32 inputs, each activation off by at most amax / 65534.
 _ACTIVATION_TERM = 127 * GROUP_SIZE / 65534
 _MARGIN = 1 + 2**-8
@@ -65,8 +68,8 @@ class ScreenedHead(nn.Module):
         # 4 bytes a row, not 4 per 32 weights, for a few more ids kept (3.5 -> 7.5 on average).
         self.row_scale = self.screen.row_scales()  # [V]
         self.num_tiles = head.packed.shape[0] // 2  # of 32 output rows (2 packed blocks each)
-        # ``top``'s output [rows, V], kept across calls (as large as the most rows seen): -inf
-        # but for the columns last written.
+        # ``top``'s output [rows, V], kept across calls (as large as the most rows seen, up to
+        # KEEP_ROWS): -inf but for the columns last written.
         self._out = torch.empty(0, self.vocab_size, device=weight.device)
         self._written: torch.Tensor | None = None  # those columns
 
@@ -107,18 +110,20 @@ class ScreenedHead(nn.Module):
         exact = self.ops.f32_tiles_at(x, self.head.packed, ids)  # [M, n * 32]
         cols = (ids[:, None] * TILE + torch.arange(TILE, device=x.device)).flatten()
         valid = cols < self.vocab_size  # the last tile may run past V
-        out = self._output(x.shape[0])
-        self._written = cols[valid]
-        out[:, self._written] = exact[:, valid]
+        out = self._output(x.shape[0], cols[valid])
+        out[:, cols[valid]] = exact[:, valid]
         return out
 
-    def _output(self, rows: int) -> torch.Tensor:
-        """The first ``rows`` rows of the output buffer, -inf everywhere."""
+    def _output(self, rows: int, cols: torch.Tensor) -> torch.Tensor:
+        """[rows, V] of -inf, to be written at ``cols``: the kept buffer's first rows, or a fresh
+        tensor above ``KEEP_ROWS`` rows."""
+        if rows > KEEP_ROWS:
+            return torch.full((rows, self.vocab_size), float("-inf"), device=self._out.device)
         if self._out.shape[0] < rows:
             self._out = torch.full((rows, self.vocab_size), float("-inf"), device=self._out.device)
         elif self._written is not None:
             self._out[:, self._written] = float("-inf")
-        self._written = None
+        self._written = cols
         return self._out[:rows]
 
 
