@@ -84,7 +84,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     n = v - v % _CHUNK
     if n < 16 * _CHUNK or logits.stride(1) != 1:
         return logits.argmax(dim=-1)
-    chunk_max = logits[:, :n].view(b, n // _CHUNK, _CHUNK).amax(-1)  # [B, C]
+    chunks = logits[:, :n].view(b, n // _CHUNK, _CHUNK)  # [B, C, 1024]
+    chunk_max = chunks.amax(-1)  # [B, C]
     row_max = chunk_max.amax(-1)  # [B]
     if n < v:
         row_max = torch.maximum(row_max, logits[:, n:].amax(-1))
@@ -92,10 +93,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     if not bool(hit.any(-1).all()):  # a row's maximum is NaN or only in the tail
         return logits.argmax(dim=-1)
     first = hit.to(torch.uint8).argmax(-1)  # [B] the first chunk with the maximum
-    rows = torch.arange(b, device=logits.device)
-    starts = first * _CHUNK
-    span = logits[:, :n].view(b, n // _CHUNK, _CHUNK)[rows, first]  # [B, 1024]
-    return starts + span.argmax(-1)
+    inside = chunks[torch.arange(b, device=logits.device), first]  # [B, 1024]
+    return first * _CHUNK + inside.argmax(-1)
 
 
 def race(weights: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -110,8 +110,9 @@ class ScreenedHead(nn.Module):
         exact = self.ops.f32_tiles_at(x, self.head.packed, ids)  # [M, n * 32]
         cols = (ids[:, None] * TILE + torch.arange(TILE, device=x.device)).flatten()
         valid = cols < self.vocab_size  # the last tile may run past V
-        out = self._output(x.shape[0], cols[valid])
-        out[:, cols[valid]] = exact[:, valid]
+        cols = cols[valid]
+        out = self._output(x.shape[0], cols)
+        out[:, cols] = exact[:, valid]
         return out
 
     def _output(self, rows: int, cols: torch.Tensor) -> torch.Tensor:
