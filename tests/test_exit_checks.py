@@ -1,6 +1,7 @@
 """Exit checks through ``ExitChecks``: the shortlist check with a tuned head's adapter and norm
 folded into its projections scores as the unfolded head does, and as the full-vocabulary
-measure when the shortlist is the whole vocabulary; the classifier probe is the sidecar's."""
+measure when the shortlist is the whole vocabulary; the classifier probe is the sidecar's; checks
+that the layer kernel computes between layers take the same decisions as checks made apart."""
 
 from __future__ import annotations
 
@@ -91,3 +92,34 @@ def test_int8_weights_keep_the_adapter_and_check_close_to_float(whole: Path) -> 
         a, _ = checks.confidence("shortlist_max_prob", layer, h, h)
         b, _ = f32.confidence("shortlist_max_prob", layer, h, h)
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.0)
+
+
+@pytest.mark.parametrize("policy", ["per_sequence", "batch_all", "auto"])
+@pytest.mark.parametrize(
+    ("measure", "threshold"),
+    [("shortlist_margin", 0.05), ("shortlist_max_prob", 0.1), ("classifier", 0.5)],
+)
+def test_checks_inside_the_layer_call_decide_as_checks_apart(
+    whole: Path, policy: str, measure: str, threshold: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = make_llm(whole, exit_policy=policy, enable_prefix_caching=False)
+    loop = llm.engine.runner.exit_loop
+    calls: list[int] = []
+    run_checked = loop.stack.run_checked
+
+    def counted(*args: object) -> object:
+        calls.append(1)
+        return run_checked(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loop.stack, "run_checked", counted)
+    params = ExitParams(threshold=threshold, measure=measure)
+    prompts = ["a b c", "x", "the quick brown", "1 2"]
+    inside = llm.generate(prompts, GREEDY, use_tqdm=False, exit_params=params)
+    assert calls, "the decode steps' checks ran inside the layer call"
+    monkeypatch.setattr(loop, "_stacked_measure", lambda *a: None)
+    apart = llm.generate(prompts, GREEDY, use_tqdm=False, exit_params=params)
+    a_out, b_out = [c.outputs[0] for c in inside], [c.outputs[0] for c in apart]
+    assert [c.token_ids for c in a_out] == [c.token_ids for c in b_out]
+    assert [c.exit_layers for c in a_out] == [c.exit_layers for c in b_out]
+    layers = [x for c in a_out for x in c.exit_layers[1:]]
+    assert min(layers) < llm.engine.model_config.num_layers, "some token exits"

@@ -1,6 +1,8 @@
 """Whole decoder layers in one kernel call (``kernels.fused``) equal the module path exactly; a
 pass of decode rows runs its layers in one call (``csrc/decode_stack.cpp``) with the same numbers
-whatever the layer range, context length or thread count, and bad rows raise."""
+whatever the layer range, context length or thread count, and bad rows raise; exit checks between
+the layers (``run_checked``) score as the check computed apart, leave the layers' output as it
+is, and stop the pass at the first check where a row reaches its threshold."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ import torch
 
 from eeserve import LLM
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
-from eeserve.kernels.fused import FusedDecoder
+from eeserve.kernels.fused import CheckedSpan, FusedDecoder, StackCheck
 from eeserve.kernels.native import NativeOps, load
-from eeserve.kernels.packing import PackedLinear, pack_for_cpu, use_native_ops
-from eeserve.kernels.quant import quantize_model
+from eeserve.kernels.packing import NativeRMSNorm, PackedLinear, pack_for_cpu, use_native_ops
+from eeserve.kernels.quant import Int8Linear, quantize_model
 from eeserve.models.config import ModelConfig, rope_tables
-from eeserve.models.llama import LlamaForCausalLM, Rotary
+from eeserve.models.llama import LlamaForCausalLM, RMSNorm, Rotary
 
 CFG = ModelConfig(
     architecture="LlamaForCausalLM",
@@ -248,3 +250,90 @@ def test_bad_rows_raise_and_write_nothing(ops: NativeOps, change: object, messag
     with pytest.raises(RuntimeError, match=message), torch.inference_mode():
         ops.ops.decode_stack(*args)
     assert torch.equal(kv.k, before)
+
+
+K = 24  # shortlist rows of the checks below
+
+
+def _check(
+    ops: NativeOps, kind: str, measure: str, with_pre: bool, seed: int
+) -> tuple[StackCheck, object]:
+    """A random check and the reference confidence it must give (h [R, D] -> [R])."""
+    gen = torch.Generator().manual_seed(seed)
+    d = CFG.hidden_size
+    if measure == "classifier":
+        w, b = torch.randn(d, generator=gen), torch.randn(1, generator=gen)
+        return StackCheck.classifier(w, b), lambda h: torch.sigmoid(h @ w + b)
+
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
+        return Int8Linear(weight, bias, ops) if kind == "int8" else PackedLinear(weight, bias, ops)
+
+    pre = linear(torch.randn(d, d, generator=gen) * 0.2, torch.randn(d, generator=gen))
+    norm = NativeRMSNorm(RMSNorm(d, 1e-5).requires_grad_(False), ops)
+    rows = linear(torch.randn(K, d, generator=gen), None)
+
+    def conf(h: torch.Tensor) -> torch.Tensor:
+        x = pre(h) if with_pre else h
+        top = rows(norm(x)).softmax(-1).topk(2, dim=-1).values
+        return top[:, 0] - top[:, 1] if measure == "shortlist_margin" else top[:, 0]
+
+    check = StackCheck.shortlist(pre if with_pre else None, norm, rows)
+    assert check is not None
+    return check, conf
+
+
+CHECKS = [("shortlist_margin", True), ("shortlist_max_prob", False), ("classifier", False)]
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+@pytest.mark.parametrize(("measure", "with_pre"), CHECKS)
+def test_checks_between_layers_score_as_the_check_apart(
+    ops: NativeOps, kind: str, measure: str, with_pre: bool
+) -> None:
+    fused = FusedDecoder.build(_model(ops, kind), ops)
+    assert fused is not None
+    meta = _long_decode_rows()
+    plan = meta.pass_attention()
+    assert plan is not None and fused.stacks(plan)
+    h, cos, sin = _inputs(meta)
+    made = [_check(ops, kind, measure, with_pre, seed) for seed in (4, 5)]
+    never = torch.full((2, 3), float("inf"))
+    span = CheckedSpan([1, 2], [c for c, _ in made], measure, K, never)
+    ref_kv, got_kv = _cache(ops, SLOTS), _cache(ops, SLOTS)
+    with torch.inference_mode():
+        got, conf, stopped = fused.run_checked(h, cos, sin, got_kv.k, got_kv.v, plan, 0, 3, span)
+        ref = fused.run(h, cos, sin, ref_kv.k, ref_kv.v, plan, 0, 3)
+        assert stopped == -1
+        assert torch.equal(got, ref) and torch.equal(got_kv.k, ref_kv.k)
+        for c, (layer, (_, reference)) in enumerate(zip(span.layers, made)):
+            h_c = fused.run(h, cos, sin, _cache(ops, SLOTS).k, _cache(ops, SLOTS).v, plan, 0, layer)
+            torch.testing.assert_close(conf[c], reference(h_c), atol=1e-5, rtol=1e-5)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(("measure", "with_pre"), CHECKS)
+def test_a_row_at_its_threshold_stops_the_pass_there(
+    ops: NativeOps, measure: str, with_pre: bool
+) -> None:
+    """Row 1 reaches its threshold at the first check (exactly its confidence: >= counts):
+    the pass returns layer 1's output, the second check and layers 2-3 never run."""
+    fused = FusedDecoder.build(_model(ops, "float32"), ops)
+    assert fused is not None
+    meta = _long_decode_rows()
+    plan = meta.pass_attention()
+    assert plan is not None
+    h, cos, sin = _inputs(meta)
+    checks = [_check(ops, "float32", measure, with_pre, seed)[0] for seed in (4, 5)]
+    never = torch.full((2, 3), float("inf"))
+    first_kv, kv = _cache(ops, SLOTS), _cache(ops, SLOTS)
+    with torch.inference_mode():
+        span = CheckedSpan([1, 2], checks, measure, K, never)
+        _, conf, _ = fused.run_checked(h, cos, sin, _cache(ops, SLOTS).k, _cache(ops, SLOTS).v,
+                                       plan, 0, 3, span)  # fmt: skip
+        at = never.clone()
+        at[0, 1] = conf[0, 1]
+        span = CheckedSpan([1, 2], checks, measure, K, at)
+        got, got_conf, stopped = fused.run_checked(h, cos, sin, kv.k, kv.v, plan, 0, 3, span)
+        ref = fused.run(h, cos, sin, first_kv.k, first_kv.v, plan, 0, 1)
+    assert stopped == 0
+    assert torch.equal(got, ref) and torch.equal(kv.k, first_kv.k) and torch.equal(kv.v, first_kv.v)
+    assert torch.equal(got_conf[0], conf[0]) and got_conf[1].isnan().all()

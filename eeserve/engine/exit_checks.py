@@ -11,6 +11,8 @@ as few calls as its head allows: for a tuned head with a ``linear`` adapter, ``h
 one projection by ``I + A``; the head norm's weight is multiplied into the K rows, so the norm is
 a bare RMS normalisation; then the rows' projection, softmax and top two. Same numbers as
 ``shortlist rows(norm(adapter(h)))`` up to float rounding (docs/early-exit.md, "Cost of a check").
+``stack_check(measure, layer)`` gives the same check in the terms of the kernel that runs it
+between layers (``kernels.fused.StackCheck``), where its parts run on the engine's kernels.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 
 from eeserve.engine.measures import confidence
 from eeserve.exit_params import LOGIT_MEASURES, SHORTLIST_MEASURES
+from eeserve.kernels.fused import STACK_MEASURES, StackCheck
 from eeserve.models.config import ModelConfig
 from eeserve.models.cost import CostModel
 from eeserve.models.exit_config import ExitConfig
@@ -77,6 +80,8 @@ class ExitChecks:
                 clf = heads.head(layer).classifier
                 if isinstance(clf, nn.Linear) and clf.bias is not None:
                     self._probes[layer] = (clf.weight.detach()[0], clf.bias.detach())
+        # (measure, exit layer) -> its check for decode_stack_checked, or None: built on first use.
+        self._stack_checks: dict[tuple[str, int], StackCheck | None] = {}
 
     def head_normed(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """LM-head input [n, D] of exit ``layer`` (1-based) from the head's input [n, D]: the
@@ -117,6 +122,24 @@ class ExitChecks:
         conf = confidence(measure, logits, h, h_prev, probe)
         return conf, logits if measure in LOGIT_MEASURES else None
 
+    def stack_check(self, measure: str, layer: int) -> StackCheck | None:
+        """``measure``'s check at exit ``layer`` for the kernel that checks between layers;
+        None where that kernel cannot compute it (other measures, modules off its kernels)."""
+        key = (measure, layer)
+        if key not in self._stack_checks:
+            self._stack_checks[key] = self._build_stack_check(measure, layer)
+        return self._stack_checks[key]
+
+    def _build_stack_check(self, measure: str, layer: int) -> StackCheck | None:
+        if measure not in STACK_MEASURES:
+            return None
+        if measure == "classifier":
+            vec = self._probes.get(layer)
+            ok = vec is not None and vec[0].dtype == torch.float32 and vec[0].device.type == "cpu"
+            return StackCheck.classifier(vec[0], vec[1]) if ok and vec is not None else None
+        head = self._shortlist.get(layer, self._shared_shortlist)
+        return None if head is None else StackCheck.shortlist(head.pre, head.rms, head.rows)
+
     def use_shortlist(
         self, weight: torch.Tensor, linear: LinearFn, norm: NormFn, fold_adapter: bool
     ) -> None:
@@ -125,6 +148,7 @@ class ExitChecks:
         tuned head's ``linear`` adapter may become one projection (float weights; not where it is
         quantised)."""
         self.shortlist_rows = weight.shape[0]
+        self._stack_checks.clear()
 
         def unit_norm(eps: float) -> nn.Module:
             rms = RMSNorm(weight.shape[1], eps).to(weight.device, weight.dtype)

@@ -7,13 +7,17 @@ whose plan has an exit there is measured and leaves when the batch policy says s
 token from that exit's head, and a replayed row leaves at its known depth. Rows that leave owe
 their deep layers (``recompute``, speculative drafts) or have them filled: their K/V for every
 layer above are written at once, before the next layer runs. ``layer`` exit heads check exit l
-inside layer l + 1, between its attention and MLP halves. The step ends with one LM-head pass
+inside layer l + 1, between its attention and MLP halves. Where the layer kernel can compute the
+checks (decode rows, one shortlist or classifier measure: ``LayerStack.run_checked``), the layers
+and checks run in one call that stops at the first check where a row may leave; the policy then
+decides there as it would after a separate check. The step ends with one LM-head pass
 for every row that still needs logits. Why each rule is as it is: docs/design.md ("Exits inside
 a pass").
 """
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -26,6 +30,7 @@ from eeserve.engine.layer_cost import LayerCost
 from eeserve.engine.layer_stack import LayerStack
 from eeserve.engine.plan import ExitPlan
 from eeserve.engine.policy import decide
+from eeserve.kernels.fused import STACK_MEASURES, CheckedSpan
 from eeserve.kernels.screened_head import head_logits
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, Rotary
@@ -66,7 +71,10 @@ class ExitLoop:
         # Layer heads check exit l inside layer l + 1 (``inside``); otherwise after layer l.
         inside = {lay + 1 for lay in plan_layers} if self.layer_heads else set()
         checks = forced if self.layer_heads else plan_layers | forced
-        ends = self._span_ends(b, checks, inside, num_layers)
+        # Checks that the layer kernel computes between layers end no run of layers.
+        measure = self._stacked_measure(b, plan_layers, meta)
+        stacked = {c for c in plan_layers if c < num_layers} if measure is not None else set()
+        ends = self._span_ends(b, checks - stacked, inside, num_layers)
         j = 1
         while j <= num_layers:
             if st.board(b, j):
@@ -78,14 +86,20 @@ class ExitLoop:
                 end = j
                 moved = self._split_layer(j, self.model.layers[j - 1], rot, meta, st, b)
             else:
-                # The layers up to the next event run in one call (one kernel call per layer).
+                # The layers up to the next event run in one call (one kernel call per layer),
+                # with the checks among them where the kernel computes them.
                 end = min(e for e in ends if e >= j)
-                h_prev = st.running.h
-                st.running.h = self.stack.run(st.running.h, rot, meta, j - 1, end)
-                st.layers_run += len(st.running.rows) * (end - j + 1)
-                moved = False
+                inner = sorted(c for c in stacked if j <= c <= end)
+                if inner:
+                    assert measure is not None
+                    end, moved = self._run_checked(j, end, inner, measure, rot, meta, st, b)
+                else:
+                    h_prev = st.running.h
+                    st.running.h = self.stack.run(st.running.h, rot, meta, j - 1, end)
+                    st.layers_run += len(st.running.rows) * (end - j + 1)
+                    moved = False
             st.layer_passes += end - j + 1
-            if end in checks and end < num_layers and st.running.rows:
+            if end in checks - stacked and end < num_layers and st.running.rows:
                 moved |= self._stop(end, h_prev, st, b)
             self._pay_fill(st, end + 1, rot0, meta0)
             if moved and st.running.rows:
@@ -112,6 +126,61 @@ class ExitLoop:
         if any(p is not None and p.measure == "hidden_cosine" for p in b.plans):
             ends |= {c - 1 for c in checks}
         return {e for e in ends if e >= 1}
+
+    def _stacked_measure(self, b: ExitBatch, layers: set[int], meta: AttnMeta) -> str | None:
+        """The plans' one measure when the layer kernel checks it between layers for this pass
+        (its rows decode on the fused path; no replayed, owed or draft rows), else None."""
+        if self.layer_heads or b.forced_depth or b.passengers or b.speculative or not layers:
+            return None
+        measures = {p.measure for p in b.plans if p is not None}
+        if len(measures) != 1:
+            return None
+        (measure,) = measures
+        if measure not in STACK_MEASURES or not self.stack.stacks(meta):
+            return None
+        if any(self.checks.stack_check(measure, c) is None for c in layers):
+            return None
+        return measure
+
+    def _run_checked(
+        self,
+        j: int,
+        end: int,
+        inner: list[int],
+        measure: str,
+        rot: Rotary,
+        meta: AttnMeta,
+        st: PassState,
+        b: ExitBatch,
+    ) -> tuple[int, bool]:
+        """Layers j..end with the checks after ``inner`` in one call, which stops at the first
+        check where a running row is confident or marked; the policy decides there (``_stop``).
+        Returns the last layer run and whether rows left."""
+        checks = [self.checks.stack_check(measure, c) for c in inner]
+        thresholds = self._thresholds(inner, st, b)
+        span = CheckedSpan(inner, checks, measure, self.checks.shortlist_rows, thresholds)  # type: ignore[arg-type]
+        h, conf, stopped = self.stack.run_checked(st.running.h, rot, meta, j - 1, end, span)
+        last = end if stopped < 0 else inner[stopped]
+        st.running.h = h
+        st.layers_run += len(st.running.rows) * (last - j + 1)
+        if stopped < 0:
+            return last, False
+        return last, self._stop(last, None, st, b, conf[stopped].tolist())
+
+    @staticmethod
+    def _thresholds(layers: list[int], st: PassState, b: ExitBatch) -> torch.Tensor:
+        """[C, R] each running row's threshold at each check layer: its plan's; -inf where it
+        is marked (its policy decides at every check); +inf where it is not checked."""
+        out = [[math.inf] * len(st.running.rows) for _ in layers]
+        for i, r in enumerate(st.running.rows):
+            s = b.sampled.get(r)
+            plan = None if s is None else b.plans[s]
+            if s is None or plan is None:
+                continue
+            for c, lay in enumerate(layers):
+                if lay in plan.thresholds:
+                    out[c][i] = -math.inf if st.exits[s].marked else plan.thresholds[lay]
+        return torch.tensor(out, dtype=torch.float32)
 
     def _pay_fill(self, st: PassState, first: int, rot0: Rotary, meta0: AttnMeta) -> None:
         """``fill``: the K/V of layers ``first``.. of the rows that just left, written before
@@ -150,24 +219,40 @@ class ExitLoop:
             st.running.h = layer.mlp_block(h_mid)
         return bool(leave)
 
-    def _stop(self, j: int, h_prev: torch.Tensor | None, st: PassState, b: ExitBatch) -> bool:
+    def _stop(
+        self,
+        j: int,
+        h_prev: torch.Tensor | None,
+        st: PassState,
+        b: ExitBatch,
+        conf: list[float] | None = None,
+    ) -> bool:
         """After layer ``j``: replayed rows at their depth and (without layer heads) the rows
         whose check lets them go leave. True when any did. ``h_prev``: the input of the layers
-        run last (layer j's own where ``hidden_cosine`` checks)."""
+        run last (layer j's own where ``hidden_cosine`` checks); ``conf``: the running rows'
+        confidences where the layer kernel computed them."""
         leave = {i for i, r in enumerate(st.running.rows) if b.forced_depth.get(r) == j}
         if not self.layer_heads:
-            assert h_prev is not None
-            leave |= self._check(j, st.running.h, h_prev, st, b)
+            h_cmp = h_prev if h_prev is not None else st.running.h
+            assert h_prev is not None or conf is not None
+            leave |= self._check(j, st.running.h, h_cmp, st, b, conf)
         if leave:
             st.leave(b, j, leave)
         return bool(leave)
 
     def _check(
-        self, j: int, h: torch.Tensor, h_prev: torch.Tensor, st: PassState, b: ExitBatch
+        self,
+        j: int,
+        h: torch.Tensor,
+        h_prev: torch.Tensor,
+        st: PassState,
+        b: ExitBatch,
+        computed: list[float] | None = None,
     ) -> set[int]:
         """Positions (in the running rows) of rows whose plan makes them leave at exit layer
         ``j``; records their exits. h: [n, D] the heads' input (h_j; h_mid of layer j + 1 for
-        layer heads), h_prev: the state it is compared with (``hidden_cosine``)."""
+        layer heads), h_prev: the state it is compared with (``hidden_cosine``); ``computed``:
+        the running rows' confidences, already measured."""
         rows = st.running.rows
         checked = [
             i
@@ -179,7 +264,10 @@ class ExitLoop:
         seqs = [b.sampled[rows[i]] for i in checked]
         plans: list[ExitPlan] = [b.plans[s] for s in seqs]  # type: ignore[misc]
         hc = take_rows(h, checked)
-        conf, logits = self._measure(j, hc, take_rows(h_prev, checked), plans)
+        if computed is None:
+            conf, logits = self._measure(j, hc, take_rows(h_prev, checked), plans)
+        else:
+            conf, logits = [computed[i] for i in checked], None
         marked = [st.exits[s].marked for s in seqs]
         ok = [c >= p.thresholds[j] for c, p in zip(conf, plans)]
         sampled = sum(1 for r in rows if r in b.sampled and b.sampled[r] not in b.prefill)

@@ -6,7 +6,8 @@ layer) when the model's projections are on the engine's kernels and every span's
 consecutive (``AttnMeta.pass_attention``; with sliding-window layers, also when no span reaches
 past the window: ``window_pass_attention``), else through the model's modules with the cache's
 ``attend``. Both give the same numbers (tests/test_fused.py). The runner's full-depth pass and the
-exit loop's layers between checks both go through here.
+exit loop's layers between checks both go through here; ``run_checked`` runs a pass's decode rows
+through several layers and the exit checks between them in one kernel call, when ``stacks(meta)``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from functools import partial
 import torch
 
 from eeserve.engine.attention import AttnMeta, PagedKVCache
-from eeserve.kernels.fused import FusedDecoder
+from eeserve.kernels.fused import CheckedSpan, FusedDecoder
 from eeserve.models.llama import LlamaForCausalLM, Rotary
 
 
@@ -41,3 +42,18 @@ class LayerStack:
         for layer in self.model.layers[start:end]:
             h = layer(h, rot, attn)
         return h
+
+    def stacks(self, meta: AttnMeta) -> bool:
+        """Whether ``run_checked`` applies to a pass of these rows."""
+        plan = meta.pass_attention() if self.fused is not None else None
+        return plan is not None and self.fused is not None and self.fused.stacks(plan)
+
+    def run_checked(
+        self, h: torch.Tensor, rot: Rotary, meta: AttnMeta, start: int, end: int, span: CheckedSpan
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Layers [start, end) with ``span``'s checks: (the output [N, D] of the last layer run,
+        the confidences [C, N], the check that stopped the run or -1). See ``FusedDecoder``."""
+        plan = meta.pass_attention()
+        assert self.fused is not None and plan is not None
+        kv = self.kv
+        return self.fused.run_checked(h, rot.cos, rot.sin, kv.k, kv.v, plan, start, end, span)

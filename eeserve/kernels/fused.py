@@ -10,7 +10,9 @@ chunks as spans of consecutive rows: ``PassAttention``), writing their K/V as
 ``LlamaDecoderLayer.forward`` with the engine's attention would, with the same kernels in the
 same order: the same numbers, without the ~15 Python calls per layer. A pass whose rows all
 attend one query each (decode steps) over Llama layers runs the whole range in one call
-(``decode_stack``, ``csrc/decode_stack.cpp``). Tensors come in plain (the pools, slot tables):
+(``decode_stack``, ``csrc/decode_stack.cpp``); ``run_checked`` runs such a range with exit
+checks between its layers (``decode_stack_checked``), stopping after the first check where a
+row may leave. Tensors come in plain (the pools, slot tables):
 this layer does not know the engine's cache classes.
 """
 
@@ -32,6 +34,51 @@ STACK_TENSORS = 11
 Tables = tuple[torch.Tensor, torch.Tensor]  # a layer's rotary (cos, sin), each [R, head_dim]
 # (packed weight, int8 scales or None, bias or None)
 Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+# The exit measures decode_stack_checked computes between layers, by the kernel's code for them.
+STACK_MEASURES = {"shortlist_max_prob": 0, "shortlist_margin": 1, "classifier": 2}
+
+
+@dataclass(frozen=True)
+class StackCheck:
+    """One exit layer's check in decode_stack_checked's terms: six tensors (shortlist: the
+    adapter's packed weight, scales and bias, or three None; the unit norm's weight [D]; the
+    rows' packed weight and scales. Classifier: weight [D], None, bias [1], None, None, None)
+    and the norm's epsilon."""
+
+    tensors: tuple[torch.Tensor | None, ...]
+    eps: float = 0.0
+
+    @classmethod
+    def shortlist(
+        cls, pre: torch.nn.Module | None, norm: torch.nn.Module, rows: torch.nn.Module
+    ) -> StackCheck | None:
+        """From a shortlist head's modules; None unless each runs on the engine's kernels."""
+        pre_p = None if pre is None else projection(pre)
+        rows_p = projection(rows)
+        if (pre is not None and pre_p is None) or rows_p is None or rows_p[2] is not None:
+            return None
+        if not isinstance(norm, NativeRMSNorm):
+            return None
+        first = pre_p if pre_p is not None else (None, None, None)
+        return cls((*first, norm.weight.detach(), rows_p[0], rows_p[1]), norm.eps)
+
+    @classmethod
+    def classifier(cls, weight: torch.Tensor, bias: torch.Tensor) -> StackCheck:
+        """A probe: weight [D], bias [1] (float32)."""
+        return cls((weight.contiguous(), None, bias.contiguous(), None, None, None))
+
+
+@dataclass(frozen=True)
+class CheckedSpan:
+    """The checks of a run of layers: after 1-based layer ``layers[c]`` check ``checks[c]``
+    under ``measure``; row r stops the run at check c when its confidence reaches
+    ``thresholds[c, r]`` (-inf: there; +inf: never)."""
+
+    layers: list[int]
+    checks: list[StackCheck]
+    measure: str
+    shortlist_rows: int  # K: the shortlist measures' logits per row
+    thresholds: torch.Tensor  # [C, R] float32
 
 
 @dataclass
@@ -48,7 +95,8 @@ class PassAttention:
     span_positions: list[torch.Tensor] = field(default_factory=list)  # [n] its query positions
 
 
-def _projection(module: torch.nn.Module) -> Projection | None:
+def projection(module: torch.nn.Module) -> Projection | None:
+    """A projection's packed tensors when it runs on one of the engine's kernels, else None."""
     if isinstance(module, PackedLinear) and module.ops is not None:
         return module.packed, None, module.bias
     if isinstance(module, Int8Linear) and module.ops is not None:
@@ -73,7 +121,7 @@ def _projections(
     if not all(isinstance(n, NativeRMSNorm) for n in norms):
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    found = [_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    found = [projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     if any(p is None for p in found):
         return None
     return tuple(p for p in found if p is not None)
@@ -163,7 +211,7 @@ class FusedDecoder:
         """``local_attn``: how the rows attend in the local layers (within the window; None:
         as ``attn``)."""
         stop = len(self.layers) if end is None else end
-        if self._stack is not None and attn.row_idx is None and not attn.span_starts:
+        if self.stacks(attn):
             return self._decode_stack(h, cos, sin, k_pool, v_pool, attn, start, stop)
         pools = self._pool_views(k_pool, v_pool)
         tables = self._rotary_tables(cos, sin)
@@ -174,6 +222,38 @@ class FusedDecoder:
             layer = self.layers[i]  # its registered op itself: no wrapper frame per layer
             h = layer.op(h, *layer.weights, *tables[layer.local], *pools[i], *metas[layer.local])
         return h
+
+    def stacks(self, attn: PassAttention) -> bool:
+        """Whether a pass of these rows runs its layers in one call (decode rows only)."""
+        return self._stack is not None and attn.row_idx is None and not attn.span_starts
+
+    def run_checked(
+        self,
+        h: torch.Tensor,  # [R, D] float32
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        attn: PassAttention,
+        start: int,
+        stop: int,
+        span: CheckedSpan,
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Layers ``[start, stop)`` with ``span``'s checks between them (``stacks(attn)`` must
+        hold): (the output [R, D] of the last layer run, the confidences [C, R] (NaN for checks
+        not reached), the check that stopped the run or -1)."""
+        assert self._stack is not None and self.stacks(attn)
+        n = STACK_TENSORS
+        after = [layer - 1 - start for layer in span.layers]
+        tensors = [t for c in span.checks for t in c.tensors]
+        out, conf, stopped = self.ops.ops.decode_stack_checked(
+            h.contiguous(), self._stack[start * n : stop * n], self.eps, cos, sin, k_pool, v_pool,
+            start, attn.slot_mapping, attn.row_slots.contiguous(), attn.row_lens,
+            self.num_heads, self.num_kv_heads, self.intermediate, self.scale,
+            after, [c.eps for c in span.checks], tensors, STACK_MEASURES[span.measure],
+            span.shortlist_rows, span.thresholds,
+        )  # fmt: skip
+        return out, conf, int(stopped)
 
     def _decode_stack(
         self,

@@ -32,7 +32,14 @@ _NAMES = (
     "decode_stack.cpp", "screen_ops.cpp",
 )  # fmt: skip
 SOURCES = tuple(_CSRC / name for name in _NAMES)
-_HEADER_NAMES = ("tile_loop.h", "paged_checks.h", "linear_tiles.h", "attend.h", "row_ops.h")
+_HEADER_NAMES = (
+    "tile_loop.h",
+    "paged_checks.h",
+    "linear_tiles.h",
+    "attend.h",
+    "row_ops.h",
+    "stack_pass.h",
+)
 HEADERS = tuple(_CSRC / name for name in _HEADER_NAMES)
 _lock = threading.Lock()
 

@@ -20,6 +20,11 @@
 // threads claim from an atomic counter, and a thread that runs out of tasks waits until the
 // phase's tasks are done. Claims are dynamic, so any number of threads (one included) finishes
 // the list, and the core that finished the glue early starts streaming the next weights.
+//
+// decode_stack_checked adds exit checks between the layers (a shortlist's softmax confidence or
+// a classifier probe, per row) and stops after the first check where a row may leave: a decode
+// step where nothing exits runs all its layers and checks in one call, without returning to
+// Python at each exit layer (docs/early-exit.md, "Cost of a check").
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,120 +33,24 @@
 #include "attend.h"
 #include "linear_tiles.h"
 #include "row_ops.h"
+#include "stack_pass.h"
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 namespace {
 
+using namespace eeserve_stack;
 using eeserve_linear::CHUNK;
 using eeserve_linear::TILE;
-constexpr int64_t PER_LAYER = 11;  // tensors per layer in `weights`
-
-// One projection: float32 ([tiles * 2, K, 16]) or int8 ([tiles * 2, Kp / 2, 16, 2] with scales).
-struct Proj {
-  const void* w = nullptr;
-  const float* scale = nullptr;  // nullptr: float32
-  const float* bias = nullptr;
-  int64_t n = 0, k = 0, kp = 0, tiles = 0, groups = 0;
-};
-
-struct Layer {
-  const float* norm1;
-  const float* norm2;
-  Proj qkv, o, gate_up, down;
-  float* kc;  // [slots, Hkv, hd]
-  float* vc;
-};
-
-enum class Step { In, Qkv, Rope, Attend, Merge, O, Mid, GateUp, Act, Down, Out };
-
-struct Phase {
-  alignas(64) std::atomic<int64_t> next{0};
-  alignas(64) std::atomic<int64_t> done{0};
-  Step step = Step::In;
-  int64_t layer = 0, tasks = 0;
-};
-
-// Per-call buffers (rows of the pass) and shapes.
-struct Pass {
-  int64_t R, D, H, Hkv, hd, I, T, tile_tasks_div;
-  float eps, scale;
-  const float* h;  // [R, D] input
-  float* hout;     // [R, D] residual stream between layers, then the output
-  float* xn;       // [R, Kmax] the next projection's float input
-  int16_t* xq;     // [R, Kmax] and its int16 rounding
-  float* xs;       // [R, Kmax / 32]
-  float* qkv;      // [R, (H + 2 Hkv) hd]
-  float* q;        // [R, H hd] the rotated query, scaled
-  float* att;      // [R, H hd]
-  float* mid;      // [R, D]
-  float* proj;     // [R, max(D, 2 I)] a projection's output
-  float* part;     // [attention tasks, H, hd + 2]
-  const float *cos, *sin;
-  const int64_t *slot_mapping, *row_slots, *row_lens;
-  std::vector<int64_t> first;  // row r's attention tasks: [first[r], first[r + 1])
-  std::vector<Layer> layers;
-};
-
-Proj make_proj(const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& s,
-               const c10::optional<at::Tensor>& b, int64_t n, int64_t k) {
-  TORCH_CHECK(w.has_value() && w->is_contiguous(), "decode_stack: a projection without its weight");
-  Proj p;
-  p.n = n, p.k = k, p.w = w->data_ptr();
-  p.tiles = (n + TILE - 1) / TILE;
-  TORCH_CHECK(w->size(0) == 2 * p.tiles, "decode_stack: a weight of ", w->size(0), " blocks for ", n, " outputs");
-  if (s.has_value()) {
-    p.kp = (k + CHUNK - 1) / CHUNK * CHUNK;
-    TORCH_CHECK(w->scalar_type() == at::kChar && w->dim() == 4 && w->size(1) * 2 == p.kp,
-                "decode_stack: int8 weight [blocks, Kp / 2, 16, 2]");
-    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 3 && s->size(0) == w->size(0),
-                "decode_stack: int8 scales [blocks, groups, 16] float32");
-    p.scale = s->data_ptr<float>(), p.groups = s->size(1);
-  } else {
-    p.kp = k;
-    TORCH_CHECK(w->scalar_type() == at::kFloat && w->dim() == 3 && w->size(1) == k,
-                "decode_stack: float32 weight [blocks, K, 16]");
-  }
-  if (b.has_value()) {
-    TORCH_CHECK(b->scalar_type() == at::kFloat && b->is_contiguous() && b->numel() == n, "decode_stack: bias [N]");
-    p.bias = b->data_ptr<float>();
-  }
-  return p;
-}
-
-// x [K] -> the row r of the projection's input (float, and int16 for the int8 kernel).
-void stage_row(const Pass& ps, const Proj& p, const float* x, int64_t r) {
-  if (p.scale != nullptr)
-    eeserve_linear::int8_quantize_rows(x, 1, p.k, p.kp, ps.xq + r * p.kp, ps.xs + r * (p.kp / CHUNK));
-  else if (x != ps.xn + r * p.k)
-    std::copy(x, x + p.k, ps.xn + r * p.k);
-}
-
-// Tiles of projection p for every row: task t of the phase.
-void project_task(const Pass& ps, const Proj& p, float* y, int64_t t) {
-  const int64_t per = (p.tiles + ps.tile_tasks_div - 1) / ps.tile_tasks_div;
-  const int64_t lo = t * per, hi = std::min(p.tiles, lo + per);
-  if (p.scale != nullptr) {
-    const eeserve_linear::Int8Args a{ps.xq, ps.xs, static_cast<const int8_t*>(p.w), p.scale, p.bias, y,
-                                     ps.R, p.kp, p.n, p.groups};
-    eeserve_linear::int8_tiles(a, lo, hi);
-  } else {
-    const eeserve_linear::F32Args a{ps.xn, static_cast<const float*>(p.w), p.bias, y, ps.R, p.k, p.n};
-    eeserve_linear::f32_tiles(a, lo, hi);
-  }
-}
-
-int64_t project_tasks(const Pass& ps, const Proj& p) {
-  const int64_t per = (p.tiles + ps.tile_tasks_div - 1) / ps.tile_tasks_div;
-  return (p.tiles + per - 1) / per;
-}
 
 // Row r: rotate its query and key heads (HF's rotate-half), write its K/V, scale its query.
 void rope_row(const Pass& ps, const Layer& L, int64_t r) {
@@ -183,6 +92,49 @@ void add_rows(const float* a, const float* b, float* out, int64_t n) {
 // The rows' input of layer l: the pass's h, or the previous layer's down(...) + mid.
 const float* layer_input(const Pass& ps, int64_t l) { return l == 0 ? ps.h : ps.hout; }
 
+// A row's confidence from its K shortlist logits: the softmax's top probability, or its margin
+// over the second (measures.confidence's arithmetic, in two passes over the row).
+float shortlist_conf(const float* x, int64_t K, bool margin) {
+  float m1 = -std::numeric_limits<float>::infinity(), m2 = m1;
+  for (int64_t k = 0; k < K; ++k) {
+    if (x[k] > m1) {
+      m2 = m1, m1 = x[k];
+    } else if (x[k] > m2) {
+      m2 = x[k];
+    }
+  }
+  float sum = 0.f;
+  for (int64_t k = 0; k < K; ++k) sum += std::exp(x[k] - m1);
+  return margin ? (1.f - std::exp(m2 - m1)) / sum : 1.f / sum;
+}
+
+// Task t (a row, or tiles of a projection) of a check's step. The check reads hout, the output
+// of its layer, and leaves it as it is.
+void check_task(const Pass& ps, const Phase& ph, int64_t t) {
+  const Check& c = ps.checks[ph.check];
+  const int64_t D = ps.D;
+  const float* x = ps.hout + t * D;
+  switch (ph.step) {
+    case Step::CkStage: return stage_row(ps, c.pre, x, t);
+    case Step::CkPre: return project_task(ps, c.pre, ps.ck_y, t);
+    case Step::CkNorm:
+      eeserve_rows::rms_norm_row<float>(c.pre.n > 0 ? ps.ck_y + t * D : x, c.norm, ps.xn + t * D, D, c.eps);
+      return stage_row(ps, c.rows, ps.xn + t * D, t);
+    case Step::CkRows: return project_task(ps, c.rows, ps.ck_logits, t);
+    default: break;
+  }
+  float conf;
+  if (ps.measure == Measure::Classifier) {
+    float dot = c.probe_bias;
+    for (int64_t d = 0; d < D; ++d) dot += x[d] * c.probe[d];
+    conf = 1.f / (1.f + std::exp(-dot));
+  } else {
+    conf = shortlist_conf(ps.ck_logits + t * c.rows.n, c.rows.n, ps.measure == Measure::ShortlistMargin);
+  }
+  c.conf[t] = conf;
+  if (conf >= c.threshold[t]) ps.stopped.store(ph.check, std::memory_order_relaxed);
+}
+
 template <int64_t DC>
 void run_task(const Pass& ps, const Phase& ph, int64_t t, Scratch& sc) {
   const Layer& L = ps.layers[ph.layer];
@@ -207,6 +159,11 @@ void run_task(const Pass& ps, const Phase& ph, int64_t t, Scratch& sc) {
       return stage_row(ps, L.down, ps.xn + t * I, t);
     case Step::Down: return project_task(ps, L.down, ps.proj, t);
     case Step::Out: return add_rows(ps.proj + t * D, ps.mid + t * D, ps.hout + t * D, D);
+    case Step::CkStage:
+    case Step::CkPre:
+    case Step::CkNorm:
+    case Step::CkRows:
+    case Step::CkConf: return check_task(ps, ph, t);
   }
 }
 
@@ -230,20 +187,24 @@ void walk(const Pass& ps, Phase* phases, int64_t n_phases) {
         std::this_thread::yield();
       }
     }
+    // Every thread reads the same flag: its last writer finished before the phase did.
+    if (ph.step == Step::CkConf && ps.stopped.load(std::memory_order_relaxed) >= 0) return;
   }
 }
 
 // The phases of layers [0, L): In, Qkv, Rope, Attend, Merge, O, Mid, GateUp, Act, Down per
-// layer, then Out.
+// layer; after a layer that a check reads, Out and the check's steps; Out after the last layer.
 std::unique_ptr<Phase[]> plan(const Pass& ps, int64_t& n) {
   const int64_t L = static_cast<int64_t>(ps.layers.size()), R = ps.R;
-  n = 10 * L + 1;
-  std::unique_ptr<Phase[]> phases(new Phase[n]);
+  const int64_t C = static_cast<int64_t>(ps.checks.size());
+  std::unique_ptr<Phase[]> phases(new Phase[10 * L + 1 + 6 * C]);
   int64_t i = 0;
-  auto add = [&](Step s, int64_t l, int64_t tasks) {
-    phases[i].step = s, phases[i].layer = l, phases[i].tasks = tasks;
+  auto add = [&](Step s, int64_t l, int64_t tasks, int64_t check = -1) {
+    phases[i].step = s, phases[i].layer = l, phases[i].tasks = tasks, phases[i].check = check;
     ++i;
   };
+  int64_t c = 0;
+  bool out = false;  // hout holds the last planned layer's output
   for (int64_t l = 0; l < L; ++l) {
     const Layer& y = ps.layers[l];
     add(Step::In, l, R);
@@ -256,81 +217,43 @@ std::unique_ptr<Phase[]> plan(const Pass& ps, int64_t& n) {
     add(Step::GateUp, l, project_tasks(ps, y.gate_up));
     add(Step::Act, l, R);
     add(Step::Down, l, project_tasks(ps, y.down));
+    out = false;
+    for (; c < C && ps.checks[c].after == l; ++c) {
+      const Check& k = ps.checks[c];
+      if (!out) add(Step::Out, l, R), out = true;
+      if (ps.measure != Measure::Classifier) {
+        if (k.pre.n > 0) add(Step::CkStage, l, R, c), add(Step::CkPre, l, project_tasks(ps, k.pre), c);
+        add(Step::CkNorm, l, R, c);
+        add(Step::CkRows, l, project_tasks(ps, k.rows), c);
+      }
+      add(Step::CkConf, l, R, c);
+    }
   }
-  add(Step::Out, L - 1, R);
+  if (!out) add(Step::Out, L - 1, R);
+  n = i;
   return phases;
 }
 
-std::vector<Layer> read_layers(const c10::List<c10::optional<at::Tensor>>& weights, const at::Tensor& k_pool,
-                               const at::Tensor& v_pool, int64_t first_layer, int64_t D, int64_t H,
-                               int64_t Hkv, int64_t hd, int64_t I) {
-  const int64_t L = static_cast<int64_t>(weights.size()) / PER_LAYER;
-  TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == L * PER_LAYER,
-              "decode_stack: weights hold 11 tensors per layer");
-  TORCH_CHECK(first_layer >= 0 && first_layer + L <= k_pool.size(0), "decode_stack: layers past the pool");
-  const int64_t layer_elems = k_pool.size(1) * Hkv * hd;
-  std::vector<Layer> layers;
-  for (int64_t l = 0; l < L; ++l) {
-    auto arg = [&](int64_t j) { return c10::optional<at::Tensor>(weights.get(l * PER_LAYER + j)); };
-    const auto n1 = arg(0), n2 = arg(1);
-    TORCH_CHECK(n1.has_value() && n2.has_value() && n1->numel() == D && n2->numel() == D &&
-                    n1->scalar_type() == at::kFloat && n1->is_contiguous() && n2->is_contiguous(),
-                "decode_stack: norm weights [D] float32");
-    Layer y{n1->data_ptr<float>(), n2->data_ptr<float>(),
-            make_proj(arg(2), arg(3), arg(4), (H + 2 * Hkv) * hd, D), make_proj(arg(5), arg(6), {}, D, H * hd),
-            make_proj(arg(7), arg(8), {}, 2 * I, D), make_proj(arg(9), arg(10), {}, D, I),
-            k_pool.data_ptr<float>() + (first_layer + l) * layer_elems,
-            v_pool.data_ptr<float>() + (first_layer + l) * layer_elems};
-    layers.push_back(y);
-  }
-  return layers;
-}
-
-void check_rows(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
-                const at::Tensor& v_pool, const at::Tensor& slot_mapping, const at::Tensor& row_slots,
-                const at::Tensor& row_lens, int64_t H, int64_t Hkv) {
-  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "decode_stack: h [R, D] float32");
-  const int64_t R = h.size(0);
-  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
-                  v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat,
-              "decode_stack: K/V pools [layers, slots, Hkv, hd] float32, contiguous");
-  const int64_t hd = k_pool.size(3);
-  TORCH_CHECK(k_pool.size(2) == Hkv && H % Hkv == 0 && hd % 2 == 0, "decode_stack: head shapes do not match");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == R && cos.size(1) == hd &&
-                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat,
-              "decode_stack: cos/sin [R, hd] float32");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && row_slots.scalar_type() == at::kLong &&
-                  row_lens.scalar_type() == at::kLong && slot_mapping.is_contiguous() && row_slots.is_contiguous() &&
-                  row_lens.is_contiguous(),
-              "decode_stack: slot_mapping, row_slots and row_lens must be contiguous int64");
-  TORCH_CHECK(slot_mapping.numel() == R && row_slots.dim() == 2 && row_slots.size(0) == R && row_lens.numel() == R,
-              "decode_stack: one slot, slot row and length per row");
-  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
-  const int64_t* ln = row_lens.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) {
-    TORCH_CHECK(sm[r] >= 0 && sm[r] < k_pool.size(1), "decode_stack: slot ", sm[r], " outside the pool");
-    TORCH_CHECK(ln[r] >= 1 && ln[r] <= row_slots.size(1), "decode_stack: row length ", ln[r], " outside [1, T]");
-  }
-}
-
-at::Tensor decode_stack(const at::Tensor& h, const c10::List<c10::optional<at::Tensor>>& weights, double eps,
-                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
-                        const at::Tensor& v_pool, int64_t first_layer, const at::Tensor& slot_mapping,
-                        const at::Tensor& row_slots, const at::Tensor& row_lens, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t intermediate, double scale) {
+// Reads the call's layers into ps (its checks already there), runs every thread's walk and
+// returns the output [R, D]: the last layer's, or that of the layer whose check stopped the pass.
+at::Tensor run_stack(Pass& ps, const at::Tensor& h, const c10::List<c10::optional<at::Tensor>>& weights,
+                     double eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
+                     const at::Tensor& v_pool, int64_t first_layer, const at::Tensor& slot_mapping,
+                     const at::Tensor& row_slots, const at::Tensor& row_lens, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t intermediate, double scale, int64_t Kc) {
   check_rows(h, cos, sin, k_pool, v_pool, slot_mapping, row_slots, row_lens, num_heads, num_kv_heads);
   const int64_t R = h.size(0), D = h.size(1), H = num_heads, Hkv = num_kv_heads, hd = k_pool.size(3);
   const int64_t I = intermediate, Kmax = (std::max({D, H * hd, I}) + CHUNK - 1) / CHUNK * CHUNK;
-  Pass ps{R, D, H, Hkv, hd, I, row_slots.size(1), 4 * std::max<int64_t>(1, at::get_num_threads()),
-          static_cast<float>(eps), static_cast<float>(scale)};
+  ps.R = R, ps.D = D, ps.H = H, ps.Hkv = Hkv, ps.hd = hd, ps.I = I, ps.T = row_slots.size(1);
+  ps.tile_tasks_div = 4 * std::max<int64_t>(1, at::get_num_threads());
+  ps.eps = static_cast<float>(eps), ps.scale = static_cast<float>(scale);
   ps.layers = read_layers(weights, k_pool, v_pool, first_layer, D, H, Hkv, hd, I);
   ps.first.assign(R + 1, 0);
   const int64_t* ln = row_lens.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) ps.first[r + 1] = ps.first[r] + (ln[r] + eeserve_attend::KSPLIT - 1) / eeserve_attend::KSPLIT;
   at::Tensor out = at::empty({R, D}, h.options());
   at::Tensor fbuf = at::empty({R * (Kmax + Kmax / CHUNK + (H + 2 * Hkv) * hd + 2 * H * hd + D + std::max(D, 2 * I)) +
-                                   ps.first[R] * H * (hd + 2)},
+                                   ps.first[R] * H * (hd + 2) + R * (D + Kc)},
                               h.options());
   at::Tensor qbuf = at::empty({R * Kmax}, h.options().dtype(at::kShort));
   float* f = fbuf.data_ptr<float>();
@@ -339,6 +262,7 @@ at::Tensor decode_stack(const at::Tensor& h, const c10::List<c10::optional<at::T
   ps.xn = take(R * Kmax), ps.xs = take(R * Kmax / CHUNK), ps.qkv = take(R * (H + 2 * Hkv) * hd);
   ps.q = take(R * H * hd), ps.att = take(R * H * hd), ps.mid = take(R * D), ps.proj = take(R * std::max(D, 2 * I));
   ps.part = take(ps.first[R] * H * (hd + 2));
+  ps.ck_y = take(R * D), ps.ck_logits = take(R * Kc);
   ps.xq = qbuf.data_ptr<int16_t>();
   ps.cos = cos.data_ptr<float>(), ps.sin = sin.data_ptr<float>();
   ps.slot_mapping = slot_mapping.data_ptr<int64_t>(), ps.row_slots = row_slots.data_ptr<int64_t>();
@@ -354,6 +278,80 @@ at::Tensor decode_stack(const at::Tensor& h, const c10::List<c10::optional<at::T
   return out;
 }
 
+at::Tensor decode_stack(const at::Tensor& h, const c10::List<c10::optional<at::Tensor>>& weights, double eps,
+                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
+                        const at::Tensor& v_pool, int64_t first_layer, const at::Tensor& slot_mapping,
+                        const at::Tensor& row_slots, const at::Tensor& row_lens, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t intermediate, double scale) {
+  Pass ps{};
+  return run_stack(ps, h, weights, eps, cos, sin, k_pool, v_pool, first_layer, slot_mapping, row_slots, row_lens,
+                   num_heads, num_kv_heads, intermediate, scale, 0);
+}
+
+// The checks of decode_stack_checked: 6 tensors each in `weights` (shortlist: pre weight, pre
+// scales, pre bias, norm weight, rows weight, rows scales; classifier: weight [D], -, bias [1]).
+std::vector<Check> read_checks(at::IntArrayRef after, at::ArrayRef<double> eps,
+                               const c10::List<c10::optional<at::Tensor>>& w, Measure m, int64_t K,
+                               const at::Tensor& thresholds, at::Tensor& conf, int64_t L, int64_t D) {
+  const int64_t C = static_cast<int64_t>(after.size());
+  TORCH_CHECK(static_cast<int64_t>(eps.size()) == C && static_cast<int64_t>(w.size()) == 6 * C,
+              "decode_stack_checked: one eps and 6 tensors per check");
+  TORCH_CHECK(thresholds.scalar_type() == at::kFloat && thresholds.is_contiguous() && thresholds.dim() == 2 &&
+                  thresholds.size(0) == C && thresholds.size(1) == conf.size(1),
+              "decode_stack_checked: thresholds [checks, R] float32");
+  std::vector<Check> checks(C);
+  for (int64_t c = 0; c < C; ++c) {
+    auto arg = [&](int64_t j) { return c10::optional<at::Tensor>(w.get(6 * c + j)); };
+    TORCH_CHECK(after[c] >= 0 && after[c] < L && (c == 0 || after[c] > after[c - 1]),
+                "decode_stack_checked: check layers increasing, within the call's layers");
+    Check& k = checks[c];
+    k.after = after[c], k.eps = static_cast<float>(eps[c]);
+    k.threshold = thresholds.data_ptr<float>() + c * conf.size(1), k.conf = conf.data_ptr<float>() + c * conf.size(1);
+    if (m == Measure::Classifier) {
+      const auto pw = arg(0), pb = arg(2);
+      TORCH_CHECK(pw.has_value() && pb.has_value() && pw->numel() == D && pb->numel() == 1 &&
+                      pw->scalar_type() == at::kFloat && pw->is_contiguous() && pb->scalar_type() == at::kFloat,
+                  "decode_stack_checked: a classifier's weight [D] and bias [1], float32");
+      k.probe = pw->data_ptr<float>(), k.probe_bias = pb->item<float>();
+      continue;
+    }
+    if (arg(0).has_value()) k.pre = make_proj(arg(0), arg(1), arg(2), D, D);
+    const auto nw = arg(3);
+    TORCH_CHECK(nw.has_value() && nw->numel() == D && nw->scalar_type() == at::kFloat && nw->is_contiguous(),
+                "decode_stack_checked: a norm weight [D] float32");
+    k.norm = nw->data_ptr<float>();
+    k.rows = make_proj(arg(4), arg(5), {}, K, D);
+  }
+  return checks;
+}
+
+// decode_stack with exit checks between its layers: check c reads the output of layer
+// check_after[c] (0-based in the call) and writes the rows' confidence to conf[c]; the pass stops
+// after the first check where a row's confidence reaches its threshold (-inf: stop there; +inf or
+// NaN: never). Returns (the output of the last layer run, conf [checks, R] with NaN for the checks
+// not reached, the check that stopped the pass or -1).
+std::tuple<at::Tensor, at::Tensor, int64_t> decode_stack_checked(
+    const at::Tensor& h, const c10::List<c10::optional<at::Tensor>>& weights, double eps, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t first_layer,
+    const at::Tensor& slot_mapping, const at::Tensor& row_slots, const at::Tensor& row_lens, int64_t num_heads,
+    int64_t num_kv_heads, int64_t intermediate, double scale, at::IntArrayRef check_after,
+    at::ArrayRef<double> check_eps, const c10::List<c10::optional<at::Tensor>>& check_weights, int64_t measure,
+    int64_t shortlist_rows, const at::Tensor& thresholds) {
+  TORCH_CHECK(measure >= 0 && measure <= 2, "decode_stack_checked: measure 0 (max prob), 1 (margin), 2 (classifier)");
+  const Measure m = static_cast<Measure>(measure);
+  const int64_t K = m == Measure::Classifier ? 0 : shortlist_rows;
+  TORCH_CHECK(m == Measure::Classifier || K > 0, "decode_stack_checked: a shortlist needs rows");
+  at::Tensor conf = at::full({static_cast<int64_t>(check_after.size()), h.size(0)},
+                             std::numeric_limits<float>::quiet_NaN(), h.options());
+  Pass ps{};
+  ps.measure = m;
+  const int64_t L = static_cast<int64_t>(weights.size()) / PER_LAYER;
+  ps.checks = read_checks(check_after, check_eps, check_weights, m, K, thresholds, conf, L, h.size(1));
+  at::Tensor out = run_stack(ps, h, weights, eps, cos, sin, k_pool, v_pool, first_layer, slot_mapping, row_slots,
+                             row_lens, num_heads, num_kv_heads, intermediate, scale, K);
+  return {out, conf, ps.stopped.load()};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eeserve, m) {
@@ -361,6 +359,14 @@ TORCH_LIBRARY_FRAGMENT(eeserve, m) {
       "decode_stack(Tensor h, Tensor?[] weights, float eps, Tensor cos, Tensor sin, Tensor(a!) k_pool, "
       "Tensor(b!) v_pool, int first_layer, Tensor slot_mapping, Tensor row_slots, Tensor row_lens, "
       "int num_heads, int num_kv_heads, int intermediate, float scale) -> Tensor");
+  m.def(
+      "decode_stack_checked(Tensor h, Tensor?[] weights, float eps, Tensor cos, Tensor sin, Tensor(a!) k_pool, "
+      "Tensor(b!) v_pool, int first_layer, Tensor slot_mapping, Tensor row_slots, Tensor row_lens, "
+      "int num_heads, int num_kv_heads, int intermediate, float scale, int[] check_after, float[] check_eps, "
+      "Tensor?[] check_weights, int measure, int shortlist_rows, Tensor thresholds) -> (Tensor, Tensor, int)");
 }
 
-TORCH_LIBRARY_IMPL(eeserve, CPU, m) { m.impl("decode_stack", &decode_stack); }
+TORCH_LIBRARY_IMPL(eeserve, CPU, m) {
+  m.impl("decode_stack", &decode_stack);
+  m.impl("decode_stack_checked", &decode_stack_checked);
+}
