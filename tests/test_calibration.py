@@ -187,6 +187,14 @@ def test_with_calibration_replaces_the_same_entry_and_sets_the_default() -> None
         calibrated_threshold(cfg, 0.01, "softmax_margin")
 
 
+def test_a_calibration_beside_the_default_keeps_the_default() -> None:
+    cfg = ExitConfig(4, [1, 2, 3], thresholds={"classifier": 0.9}, default_measure="classifier")
+    cfg = with_calibration(cfg, _entry(0.05, 0.8), make_default=False)
+    assert cfg.default_measure == "classifier" and not cfg.enabled_by_default
+    assert cfg.thresholds == {"classifier": 0.9, "softmax_margin": 0.8}
+    assert calibrated_threshold(cfg, 0.05, "softmax_margin") == 0.8
+
+
 def test_default_model_needs_its_packaged_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(calibration_store, "packaged_sidecar", lambda spec: None)
     with pytest.raises(ValueError, match="--out-config"):

@@ -12,8 +12,9 @@ Contract:
 - The result goes into the sidecar's ``exit_config.json``: a ``calibration`` entry {measure,
   delta, epsilon, threshold, policy, loss, n, ...} (replacing an entry with the same measure,
   delta, epsilon, policy and loss), ``thresholds[measure]`` and ``default_measure`` set to it and
-  ``enabled_by_default`` true. Target: ``--out-config DIR``; else the packaged sidecar of the
-  default model (which must exist: the tuned heads), else the model folder
+  ``enabled_by_default`` true (``--keep-default``: the threshold only; the default measure
+  stays). Target: ``--out-config DIR``; else the packaged sidecar of the default model (which
+  must exist: the tuned heads), else the model folder
   (``tuning.calibration_store``). Nothing is written
   when no candidate is rejected. A table (candidate, mean loss, p-value, rejected, mean exit
   layer, decode tokens/s ratio vs full depth) is printed either way.
@@ -233,10 +234,11 @@ def main(args: argparse.Namespace) -> int:
         print("no candidate passed the test: nothing written (try more prompts or fewer tokens)")
     else:
         entry = calibration_entry(args, cal.threshold, len(prompts))
-        path = write_calibration(args.model, out, engine.exit_config, entry)
+        keep = not args.keep_default
+        path = write_calibration(args.model, out, engine.exit_config, entry, keep)
         print(f"wrote threshold {cal.threshold:g} for {args.measure} into {path}")
         if args.check_n > 0:
-            new_cfg = with_calibration(engine.exit_config, entry)
+            new_cfg = with_calibration(engine.exit_config, entry, keep)
             report["check"] = heldout_check(engine, args, new_cfg, cal.threshold)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
@@ -286,6 +288,11 @@ def add_calibrate_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--candidates", type=float, nargs="+", default=None, help="thresholds to test")
     p.add_argument("--full-table", action="store_true", help="also run candidates after the stop")
     p.add_argument("--out-config", default=None, help="sidecar folder to write exit_config.json to")
+    p.add_argument(
+        "--keep-default",
+        action="store_true",
+        help="store the threshold beside the sidecar's default measure, which stays the default",
+    )
     p.add_argument("--check-n", type=int, default=0, help="then check N held-out prompts")
     p.add_argument("--check-split", default="heldout", help="prompt split of the check")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")

@@ -173,12 +173,13 @@ def main_perplexity(
         print("the most conservative candidate is already over the bound: nothing written")
     else:
         entry = perplexity_entry(args, cal, len(prompts))
-        path = write_calibration(args.model, out, engine.exit_config, entry)
+        keep = not args.keep_default
+        path = write_calibration(args.model, out, engine.exit_config, entry, keep)
         print(f"wrote threshold {cal.threshold:g} for {args.measure} into {path}")
         if args.check_n > 0:
             # Reached as a request would: ``tolerance`` = the bound.
             resolved = calibrated_threshold(
-                with_calibration(engine.exit_config, entry), bound, args.measure
+                with_calibration(engine.exit_config, entry, keep), bound, args.measure
             )
             texts = load_prompts(args, args.check_split, args.check_n)
             check = perplexity_scores(engine, prompt_ids(engine, texts, args.chat), args)

@@ -1,9 +1,10 @@
 """Where a calibration is stored: the exit sidecar's ``exit_config.json``.
 
 Contract: ``with_calibration`` puts a calibration entry first in an ``ExitConfig`` (replacing an
-entry with the same measure, delta, epsilon, policy and loss) and makes its threshold the
-default; ``target_folder`` says which sidecar a model's calibration goes to (``--out-config``,
-else the packaged sidecar of the default models, else the model folder); ``write_calibration``
+entry with the same measure, delta, epsilon, policy and loss), sets its measure's threshold and,
+unless told to keep the sidecar's default, makes it the default measure, enabled by default;
+``target_folder`` says which sidecar a model's calibration goes to (``--out-config``, else the
+packaged sidecar of the default models, else the model folder); ``write_calibration``
 merges an entry into that sidecar, copying the heads (and a trained model's base delta) from
 the sidecar the engine loaded when the target holds none yet.
 """
@@ -20,19 +21,19 @@ from eeserve.models.exit_heads import CONFIG_NAME, WEIGHTS_NAME, load_sidecar, s
 from eeserve.models.loader import DEFAULT_MODEL, VARIANT_MODEL, packaged_sidecar, resolve_model
 
 
-def with_calibration(cfg: ExitConfig, entry: dict[str, object]) -> ExitConfig:
-    """A copy of ``cfg`` with ``entry`` first in ``calibration`` and its threshold the default."""
+def with_calibration(
+    cfg: ExitConfig, entry: dict[str, object], make_default: bool = True
+) -> ExitConfig:
+    """A copy of ``cfg`` with ``entry`` first in ``calibration`` and its measure's threshold
+    set; ``make_default``: that measure becomes the default, enabled by default."""
     key = ("measure", "delta", "epsilon", "policy", "loss")
     kept = [c for c in cfg.calibration if any(c.get(k) != entry[k] for k in key)]
     measure = str(entry["measure"])
     thresholds = {**cfg.thresholds, measure: float(entry["threshold"])}  # type: ignore[arg-type]
-    return dataclasses.replace(
-        cfg,
-        calibration=[entry, *kept],
-        thresholds=thresholds,
-        default_measure=measure,
-        enabled_by_default=True,
-    )
+    calibrated = dataclasses.replace(cfg, calibration=[entry, *kept], thresholds=thresholds)
+    if not make_default:
+        return calibrated
+    return dataclasses.replace(calibrated, default_measure=measure, enabled_by_default=True)
 
 
 def sidecar_source(model: str) -> Path | None:
@@ -61,9 +62,14 @@ _STRUCTURE = ("num_layers", "exit_layers", "head", "adapter", "adapter_rank", "c
 
 
 def write_calibration(
-    model: str, out: Path, calibrated: ExitConfig, entry: dict[str, object]
+    model: str,
+    out: Path,
+    calibrated: ExitConfig,
+    entry: dict[str, object],
+    make_default: bool = True,
 ) -> Path:
-    """Merge ``entry`` into the sidecar at ``out`` (created from ``calibrated`` if absent)."""
+    """Merge ``entry`` into the sidecar at ``out`` (created from ``calibrated`` if absent);
+    ``make_default`` as ``with_calibration``."""
     found = load_sidecar(out)
     if found is not None:
         base = found[0]
@@ -79,5 +85,5 @@ def write_calibration(
             if source is not None and (source / name).exists():
                 out.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source / name, out / name)
-    save_sidecar(out, with_calibration(base, entry), None)
+    save_sidecar(out, with_calibration(base, entry, make_default), None)
     return out / CONFIG_NAME
