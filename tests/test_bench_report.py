@@ -299,3 +299,22 @@ def test_paper_thresholds_flag() -> None:
     assert cfg.thresholds_for("classifier") == [1.01, 0.9]
     assert cfg.thresholds_for("max_prob")[0] == 1.01  # the defaults start where nothing exits
     assert ReportConfig(paper_thresholds=parse_paper_thresholds("0.5")).thresholds_for("x") == [0.5]
+
+
+def _sweep_row(policy: str, threshold: float, ratio: float, ideal: float, ppl: float) -> Any:
+    return {"batch": 1, "policy": policy, "threshold": threshold, "ratio": ratio,
+            "ideal_pass": ideal, "ideal_token": ideal, "ppl_ratio": ppl, "rouge_l": 1.0,
+            "layers_per_iteration": 30.0, "mean_exit_layer": 30.0}  # fmt: skip
+
+
+def test_the_target_verdict_names_what_is_left() -> None:
+    from eeserve.bench.report_paper_md import target_verdict
+
+    exits = {"rows": [_sweep_row("auto", 0.99, 1.02, 1.05, 1.01),
+                      _sweep_row("auto", 0.5, 1.6, 1.7, 1.5)]}  # fmt: skip
+    assert "model's exits" in target_verdict(exits, 1, 1.25)
+    assert "1.02× (`auto` at 0.99), 18% short" in target_verdict(exits, 1, 1.25)
+    overhead = {"rows": [_sweep_row("per_sequence", 0.9, 1.1, 1.4, 1.04)]}
+    assert "cost of the checks and the policy" in target_verdict(overhead, 1, 1.25)
+    assert target_verdict(overhead, 1, 1.05).endswith(": met")
+    assert "no point within the budget" in target_verdict({"rows": []}, 1, 1.25)

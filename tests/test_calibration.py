@@ -256,6 +256,8 @@ def test_calibrate_command_writes_the_config(calibrated: Path) -> None:
     assert cfg["thresholds"] == {"softmax_margin": chosen} and cfg["enabled_by_default"] is True
     report = json.loads((calibrated.parent / "r.json").read_text())
     assert report["threshold"] == chosen
+    prov = report["provenance"]  # what tests/test_docs.py asks of a result file
+    assert all(prov[k] for k in ("command", "commit", "date", "machine"))
     first = report["rows"][0]["test"]
     assert first["candidate"] == 0.99 and first["rejected"] and first["p_value"] <= 0.2
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from eeserve.bench.measure import provenance, run_engine
+from eeserve.bench.measure import run_engine
 from eeserve.config import EngineConfig
 from eeserve.engine.layer_cost import best_time, measure_layer_cost
 from eeserve.engine.llm_engine import LLMEngine
@@ -32,6 +32,7 @@ from eeserve.exit_params import LOGIT_MEASURES, MEASURES, SHORTLIST_MEASURES, Ex
 from eeserve.models.cost import CostModel
 from eeserve.models.llama import Rotary
 from eeserve.tuning.prompts import fixed_length_ids, prompt_texts
+from eeserve.tuning.provenance import provenance
 
 NEVER = 1.5  # above every measure's range: every check runs, nothing exits
 

@@ -20,19 +20,13 @@ from typing import Any
 import torch
 
 from eeserve.bench.exit_sweep import bench_exits
-from eeserve.bench.measure import (
-    machine_description,
-    median_run,
-    provenance,
-    run_engine,
-    run_hf,
-    token_agreement_mean,
-)
+from eeserve.bench.measure import median_run, run_engine, run_hf, token_agreement_mean
 from eeserve.bench.peer import bench_peer
 from eeserve.config import EngineConfig
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.models.loader import resolve_model
 from eeserve.tuning.prompts import fixed_length_ids, prompt_texts
+from eeserve.tuning.provenance import machine_description, provenance
 
 
 def bench_vs_hf(args: argparse.Namespace) -> dict[str, Any]:

@@ -2,22 +2,17 @@
 
 Contract: ``run_engine``/``run_hf`` generate the given prompts greedily to a fixed length and
 return a ``Run`` (tokens/s, decode tokens/s, inter-token latency, outputs, exit layers);
-``median_of``/``median_run`` pick the median run; ``machine_description`` records where it ran
-and ``provenance`` what produced a result (command, commit, date, machine);
-``token_agreement_mean``/``quality_vs`` compare outputs (quality beside every speed figure).
+``median_of``/``median_run`` pick the median run; ``token_agreement_mean``/``quality_vs``
+compare outputs (quality beside every speed figure). Where a result comes from:
+``tuning.provenance``.
 """
 
 from __future__ import annotations
 
 import copy
-import platform
-import shlex
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -144,16 +139,6 @@ def median_run(fn: Any, repeats: int) -> Run:
     return median_of([fn() for _ in range(repeats)])
 
 
-def machine_description() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
-
-
 def token_agreement_mean(a: list[list[int]], b: list[list[int]]) -> float:
     return statistics.mean(token_agreement(x, y) for x, y in zip(a, b))
 
@@ -165,29 +150,3 @@ def quality_vs(ref: Run, run: Run, tokenizer: Any) -> tuple[float, float]:
         rouge_l(tokenizer.decode(a), tokenizer.decode(b)) for a, b in zip(run.outputs, ref.outputs)
     )
     return agree, rouge
-
-
-def git_revision() -> str | None:
-    """The checkout's commit (``+dirty`` with local changes), when run from a git checkout."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(root), "describe", "--always", "--dirty=+dirty"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return rev.stdout.strip() or None
-
-
-def provenance() -> dict[str, Any]:
-    """Where a result comes from: the exact command, the commit, the date and the machine."""
-    return {
-        "command": shlex.join(["eeserve", *sys.argv[1:]]),
-        "commit": git_revision(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "machine": machine_description(),
-    }

@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 from eeserve.bench import llamacpp
 from eeserve.bench.llamacpp_build import BuildToolMissing, NativeTools, native_tools
 from eeserve.bench.llamacpp_native import run_batched_bench
-from eeserve.bench.measure import Run, provenance, quality_vs, run_engine
+from eeserve.bench.measure import Run, quality_vs, run_engine
 from eeserve.bench.peer_summary import Pair, Round, print_summary, roofline_rows, summarise
 from eeserve.bench.perplexity import heldout_perplexity
 from eeserve.bench.roofline import engine_bytes_per_token, gguf_bytes_per_token, read_bandwidth
@@ -41,6 +41,7 @@ from eeserve.engine.llm_engine import LLMEngine
 from eeserve.kernels.screened_head import ScreenedHead
 from eeserve.models.loader import resolve_model
 from eeserve.tuning.prompts import fixed_length_ids, prompt_texts
+from eeserve.tuning.provenance import provenance
 
 # ``own``: the GGUF a named model is converted from (its label is its format: Q4_1, Q4_K_M).
 FORMATS = ("F32", "Q8_0", "own")

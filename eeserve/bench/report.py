@@ -39,7 +39,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from eeserve.bench.measure import git_revision
 from eeserve.bench.plots import plot_all
 from eeserve.bench.report_config import (
     PAPER_TEXT_SOURCES,
@@ -53,6 +52,7 @@ from eeserve.bench.report_peer import Peer, open_peer, peer_blocks, peer_rows
 from eeserve.bench.report_run import ReportRun, run_blocks
 from eeserve.bench.report_spec import speculative_blocks, speculative_rows
 from eeserve.bench.report_spec import warm_up as spec_warm_up
+from eeserve.tuning.provenance import git_revision
 
 
 def run_report(cfg: ReportConfig) -> dict[str, Any]:

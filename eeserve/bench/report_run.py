@@ -26,7 +26,6 @@ import torch
 
 from eeserve.bench.measure import (
     Run,
-    machine_description,
     median_of,
     quality_vs,
     run_engine,
@@ -41,6 +40,7 @@ from eeserve.llm import chat_token_ids
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.loader import read_config, resolve_model
 from eeserve.tuning.prompts import prompt_texts
+from eeserve.tuning.provenance import machine_description
 
 PROB_MEASURES = ("softmax_margin", "max_prob", "classifier")
 

@@ -35,8 +35,8 @@ from typing import Any
 
 import httpx
 
-from eeserve.bench.measure import provenance
 from eeserve.tuning.prompts import prompt_texts
+from eeserve.tuning.provenance import provenance
 
 PERCENTILES = (50, 90, 99)
 

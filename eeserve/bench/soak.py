@@ -43,7 +43,6 @@ from typing import Any
 import httpx
 
 from eeserve.bench.arrivals import long_prompt_texts
-from eeserve.bench.measure import provenance
 from eeserve.bench.serve import wait_healthy
 from eeserve.bench.soak_load import (
     LoopLag,
@@ -60,6 +59,7 @@ from eeserve.bench.soak_load import (
 from eeserve.bench.soak_plots import plot_soak
 from eeserve.bench.soak_report import Phase, checks, intervals, summarize_phase
 from eeserve.tuning.prompts import prompt_texts
+from eeserve.tuning.provenance import provenance
 
 HOST = "127.0.0.1"
 

@@ -156,9 +156,10 @@ class ExitLoop:
         """Layers j..end with the checks after ``inner`` in one call, which stops at the first
         check where a running row is confident or marked; the policy decides there (``_stop``).
         Returns the last layer run and whether rows left."""
-        checks = [self.checks.stack_check(measure, c) for c in inner]
+        checks = [c for c in (self.checks.stack_check(measure, x) for x in inner) if c is not None]
+        assert len(checks) == len(inner)  # ``_stacked_measure`` saw every one
         thresholds = self._thresholds(inner, st, b)
-        span = CheckedSpan(inner, checks, measure, self.checks.shortlist_rows, thresholds)  # type: ignore[arg-type]
+        span = CheckedSpan(inner, checks, measure, self.checks.shortlist_rows, thresholds)
         h, conf, stopped = self.stack.run_checked(st.running.h, rot, meta, j - 1, end, span)
         last = end if stopped < 0 else inner[stopped]
         st.running.h = h

@@ -27,6 +27,7 @@ from eeserve.exit_params import ExitParams
 from eeserve.tuning.calibration_prompts import load_prompts, prompt_ids, run_prompts
 from eeserve.tuning.calibration_store import with_calibration, write_calibration
 from eeserve.tuning.ltt import order_candidates
+from eeserve.tuning.provenance import provenance
 from eeserve.tuning.teacher_forced import (
     ExitQuality,
     ExitScores,
@@ -164,6 +165,7 @@ def main_perplexity(
     cal = calibrate_perplexity(engine, scores, args.measure, candidates, bound, args.full_table)
     print(format_table(cal, engine.model_config.num_layers, args))
     report: dict[str, Any] = {
+        "provenance": provenance(),
         "args": {k: v for k, v in vars(args).items() if k != "func"},
         "rows": [dataclasses.asdict(r) for r in cal.rows],
         "threshold": cal.threshold,

@@ -1,0 +1,54 @@
+"""Where a result comes from: the command, the commit, the date and the machine.
+
+Contract: ``provenance()`` is the record every result file carries (``bench`` results,
+``calibrate --json``); ``git_revision`` is the checkout's commit (``+dirty`` with local changes)
+and ``machine_description`` the platform, processor, torch threads and build.
+"""
+
+from __future__ import annotations
+
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def machine_description() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def git_revision() -> str | None:
+    """The checkout's commit (``+dirty`` with local changes), when run from a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(root), "describe", "--always", "--dirty=+dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev.stdout.strip() or None
+
+
+def provenance() -> dict[str, Any]:
+    """Where a result comes from: the exact command, the commit, the date and the machine."""
+    return {
+        "command": shlex.join(["eeserve", *sys.argv[1:]]),
+        "commit": git_revision(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "machine": machine_description(),
+    }
