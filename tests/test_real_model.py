@@ -119,10 +119,16 @@ def test_default_sidecar_exits_early_at_its_calibrated_default(real: Real) -> No
     # The policy the packaged threshold was calibrated under.
     llm = make_llm("smollm2", kv_cache_memory=64 * 2**20, exit_policy="per_sequence")
     cfg = llm.engine.exit_config
-    cal = [c for c in cfg.calibration if c["delta"] == 0.05 and c["epsilon"] == 0.05]
+    cal = [
+        c for c in cfg.calibration
+        if c["delta"] == 0.05 and c["epsilon"] == 0.05 and c["measure"] == cfg.default_measure
+    ]  # fmt: skip
     assert cfg.head == "tuned" and cfg.enabled_by_default and cal
-    assert cfg.default_measure == cal[0]["measure"]
     assert cfg.thresholds[cfg.default_measure] == cal[0]["threshold"]
+    # Other measures are calibrated beside the default (``calibrate --keep-default``).
+    beside = {c["measure"]: c["threshold"] for c in cfg.calibration}
+    assert "shortlist_margin" in beside
+    assert all(cfg.thresholds[m] == t for m, t in beside.items())
     assert (cfg.default_mode, llm.engine.speculative_draft) == ("speculative", "int8")
     # Held-out prompts of the kind it was calibrated on (the calibration saw ~3% of layers saved).
     prompts = prompt_texts(8, seed=0, split="heldout")
