@@ -212,7 +212,8 @@ class FusedDecoder:
         as ``attn``)."""
         stop = len(self.layers) if end is None else end
         if self.stacks(attn):
-            return self._decode_stack(h, cos, sin, k_pool, v_pool, attn, start, stop)
+            args = self._stack_args((h, cos, sin, k_pool, v_pool), attn, start, stop)
+            return self.ops.ops.decode_stack(*args)  # type: ignore[no-any-return]
         pools = self._pool_views(k_pool, v_pool)
         tables = self._rotary_tables(cos, sin)
         # The same per-pass arguments for every layer: built once, not per layer call.
@@ -242,38 +243,30 @@ class FusedDecoder:
         """Layers ``[start, stop)`` with ``span``'s checks between them (``stacks(attn)`` must
         hold): (the output [R, D] of the last layer run, the confidences [C, R] (NaN for checks
         not reached), the check that stopped the run or -1)."""
-        assert self._stack is not None and self.stacks(attn)
-        n = STACK_TENSORS
+        assert self.stacks(attn)
         after = [layer - 1 - start for layer in span.layers]
         tensors = [t for c in span.checks for t in c.tensors]
         out, conf, stopped = self.ops.ops.decode_stack_checked(
-            h.contiguous(), self._stack[start * n : stop * n], self.eps, cos, sin, k_pool, v_pool,
-            start, attn.slot_mapping, attn.row_slots.contiguous(), attn.row_lens,
-            self.num_heads, self.num_kv_heads, self.intermediate, self.scale,
+            *self._stack_args((h, cos, sin, k_pool, v_pool), attn, start, stop),
             after, [c.eps for c in span.checks], tensors, STACK_MEASURES[span.measure],
             span.shortlist_rows, span.thresholds,
         )  # fmt: skip
         return out, conf, int(stopped)
 
-    def _decode_stack(
-        self,
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        attn: PassAttention,
-        start: int,
-        stop: int,
-    ) -> torch.Tensor:
-        """Layers ``[start, stop)`` for rows that each attend one query (decode steps)."""
+    def _stack_args(
+        self, tensors: tuple[torch.Tensor, ...], attn: PassAttention, start: int, stop: int
+    ) -> list[object]:
+        """decode_stack's arguments for layers ``[start, stop)`` of rows that each attend one
+        query (decode steps); decode_stack_checked's first ones. ``tensors``: (h [R, D], cos,
+        sin, k_pool, v_pool)."""
         assert self._stack is not None
+        h, cos, sin, k_pool, v_pool = tensors
         n = STACK_TENSORS
-        return self.ops.ops.decode_stack(  # type: ignore[no-any-return]
+        return [
             h.contiguous(), self._stack[start * n : stop * n], self.eps, cos, sin, k_pool, v_pool,
             start, attn.slot_mapping, attn.row_slots.contiguous(), attn.row_lens,
             self.num_heads, self.num_kv_heads, self.intermediate, self.scale,
-        )  # fmt: skip
+        ]  # fmt: skip
 
     def _rotary_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> dict[bool, Tables]:
         """Global (False) and local (True) layers' (cos, sin). Gemma's [R, 2 * head_dim] tables
