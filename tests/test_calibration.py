@@ -328,6 +328,13 @@ def test_calibrate_into_out_config_leaves_the_model_alone(
     assert not (tiny_varied_dir / "exit_config.json").exists()
     (entry,) = json.loads((out / "exit_config.json").read_text())["calibration"]
     assert entry["loss"] == "tokens" and entry["policy"] == "batch_all" and entry["n"] == 12
+    default = json.loads((out / "exit_config.json").read_text())["default_measure"]
+    # A second measure beside it: its threshold and entry, the default stays.
+    assert cli_main([*argv, "--measure", "max_prob", "--keep-default"]) == 0
+    cfg = json.loads((out / "exit_config.json").read_text())
+    assert cfg["default_measure"] == default != "max_prob"
+    assert [c["measure"] for c in cfg["calibration"]] == ["max_prob", default]
+    assert cfg["thresholds"]["max_prob"] == cfg["calibration"][0]["threshold"]
     # Nothing passes: exit status 1 and nothing written.
     argv = ["calibrate", str(tiny_varied_dir), "--prompts", str(prompts), "--n", "3"]
     argv += ["--max-tokens", "4", "--candidates", "0.99", "--out-config", str(tmp_path / "none")]
