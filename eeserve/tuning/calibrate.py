@@ -110,7 +110,8 @@ def calibrate(
     shown as not tested) with ``full_table``.
     """
     # Untimed warm-up over every prompt (its prefill and first decode steps): the first pass
-    # through a fresh KV pool runs about a third slower, which skewed every speed ratio upwards.
+    # of a fresh engine (its KV pool and buffers first touched) ran about a third slower, which
+    # skewed every speed ratio upwards.
     run_prompts(engine, prompts, 2, ExitParams(enabled=False))
     ref = run_prompts(engine, prompts, args.max_tokens, ExitParams(enabled=False))
     print(
