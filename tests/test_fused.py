@@ -14,7 +14,7 @@ import torch
 
 from eeserve import LLM
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
-from eeserve.kernels.fused import CheckedSpan, FusedDecoder, StackCheck
+from eeserve.kernels.fused import CheckedSpan, FusedDecoder, PassAttention, StackCheck
 from eeserve.kernels.native import NativeOps, load
 from eeserve.kernels.packing import NativeRMSNorm, PackedLinear, pack_for_cpu, use_native_ops
 from eeserve.kernels.quant import Int8Linear, quantize_model
@@ -200,13 +200,21 @@ def test_a_layer_range_of_decode_rows_equals_the_module_path(
     torch.testing.assert_close(got_kv.v, ref_kv.v, rtol=0, atol=1e-6)
 
 
-def _stack_args(ops: NativeOps, kv: PagedKVCache) -> tuple[FusedDecoder, list[object]]:
-    fused = FusedDecoder.build(_model(ops, "int8"), ops)
+def _decode_pass(
+    ops: NativeOps, kind: str
+) -> tuple[FusedDecoder, PassAttention, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused decoder of a ``kind`` model, the three long decode rows' pass (one call for
+    its layers) and their inputs (h, cos, sin)."""
+    fused = FusedDecoder.build(_model(ops, kind), ops)
     assert fused is not None
     meta = _long_decode_rows()
     plan = meta.pass_attention()
-    assert plan is not None
-    h, cos, sin = _inputs(meta)
+    assert plan is not None and fused.stacks(plan)
+    return (fused, plan, *_inputs(meta))
+
+
+def _stack_args(ops: NativeOps, kv: PagedKVCache) -> tuple[FusedDecoder, list[object]]:
+    fused, plan, h, cos, sin = _decode_pass(ops, "int8")
     args = [h, fused._stack, fused.eps, cos, sin, kv.k, kv.v, 0, plan.slot_mapping,
             plan.row_slots.contiguous(), plan.row_lens, CFG.num_heads, CFG.num_kv_heads,
             CFG.intermediate_size, CFG.head_dim**-0.5]  # fmt: skip
@@ -290,12 +298,7 @@ CHECKS = [("shortlist_margin", True), ("shortlist_max_prob", False), ("classifie
 def test_checks_between_layers_score_as_the_check_apart(
     ops: NativeOps, kind: str, measure: str, with_pre: bool
 ) -> None:
-    fused = FusedDecoder.build(_model(ops, kind), ops)
-    assert fused is not None
-    meta = _long_decode_rows()
-    plan = meta.pass_attention()
-    assert plan is not None and fused.stacks(plan)
-    h, cos, sin = _inputs(meta)
+    fused, plan, h, cos, sin = _decode_pass(ops, kind)
     made = [_check(ops, kind, measure, with_pre, seed) for seed in (4, 5)]
     never = torch.full((2, 3), float("inf"))
     span = CheckedSpan([1, 2], [c for c, _ in made], measure, K, never)
@@ -316,12 +319,7 @@ def test_a_row_at_its_threshold_stops_the_pass_there(
 ) -> None:
     """Row 1 reaches its threshold at the first check (exactly its confidence: >= counts):
     the pass returns layer 1's output, the second check and layers 2-3 never run."""
-    fused = FusedDecoder.build(_model(ops, "float32"), ops)
-    assert fused is not None
-    meta = _long_decode_rows()
-    plan = meta.pass_attention()
-    assert plan is not None
-    h, cos, sin = _inputs(meta)
+    fused, plan, h, cos, sin = _decode_pass(ops, "float32")
     checks = [_check(ops, "float32", measure, with_pre, seed)[0] for seed in (4, 5)]
     never = torch.full((2, 3), float("inf"))
     first_kv, kv = _cache(ops, SLOTS), _cache(ops, SLOTS)
@@ -337,3 +335,20 @@ def test_a_row_at_its_threshold_stops_the_pass_there(
     assert stopped == 0
     assert torch.equal(got, ref) and torch.equal(kv.k, first_kv.k) and torch.equal(kv.v, first_kv.v)
     assert torch.equal(got_conf[0], conf[0]) and got_conf[1].isnan().all()
+
+
+@pytest.mark.parametrize(
+    ("layers", "rows", "message"),
+    [([1, 2], 2, r"thresholds \[checks, R\]"), ([2, 1], 3, "check layers increasing")],
+)
+def test_bad_checks_raise_and_write_nothing(
+    ops: NativeOps, layers: list[int], rows: int, message: str
+) -> None:
+    fused, plan, h, cos, sin = _decode_pass(ops, "float32")
+    checks = [_check(ops, "float32", "shortlist_margin", True, seed)[0] for seed in (4, 5)]
+    span = CheckedSpan(layers, checks, "shortlist_margin", K, torch.zeros(2, rows))
+    kv = _cache(ops, SLOTS)
+    before = kv.k.clone()
+    with pytest.raises(RuntimeError, match=message), torch.inference_mode():
+        fused.run_checked(h, cos, sin, kv.k, kv.v, plan, 0, 3, span)
+    assert torch.equal(kv.k, before)

@@ -45,8 +45,10 @@ class LayerStack:
 
     def stacks(self, meta: AttnMeta) -> bool:
         """Whether ``run_checked`` applies to a pass of these rows."""
-        plan = meta.pass_attention() if self.fused is not None else None
-        return plan is not None and self.fused is not None and self.fused.stacks(plan)
+        if self.fused is None:
+            return False
+        plan = meta.pass_attention()
+        return plan is not None and self.fused.stacks(plan)
 
     def run_checked(
         self, h: torch.Tensor, rot: Rotary, meta: AttnMeta, start: int, end: int, span: CheckedSpan

@@ -312,7 +312,7 @@ std::vector<Check> read_checks(at::IntArrayRef after, at::ArrayRef<double> eps,
       TORCH_CHECK(pw.has_value() && pb.has_value() && pw->numel() == D && pb->numel() == 1 &&
                       pw->scalar_type() == at::kFloat && pw->is_contiguous() && pb->scalar_type() == at::kFloat,
                   "decode_stack_checked: a classifier's weight [D] and bias [1], float32");
-      k.probe = pw->data_ptr<float>(), k.probe_bias = pb->item<float>();
+      k.probe = pw->data_ptr<float>(), k.probe_bias = *pb->data_ptr<float>();  // no dispatch per step
       continue;
     }
     if (arg(0).has_value()) k.pre = make_proj(arg(0), arg(1), arg(2), D, D);
