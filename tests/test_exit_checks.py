@@ -13,6 +13,7 @@ import torch
 from eeserve import SamplingParams
 from eeserve.exit_params import ExitParams
 from eeserve.models.loader import load_model
+from tests.test_gemma3 import build_tiny_gemma3
 from tests.tiny_model import make_llm, with_random_tuned_heads
 
 LAYERS = [1, 2, 3]
@@ -24,6 +25,15 @@ def whole(tiny_varied_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     vocab = int(load_model(tiny_varied_dir, torch.float32, torch.device("cpu"))[1].vocab_size)
     dst = tmp_path_factory.mktemp("checks") / "whole"
     return with_random_tuned_heads(tiny_varied_dir, dst, LAYERS, 5, list(reversed(range(vocab))))
+
+
+@pytest.fixture(scope="module")
+def gemma_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Gemma 3 (window 8: the prompts below decode past it) with random tuned heads."""
+    src = build_tiny_gemma3(tmp_path_factory.mktemp("gemma3"))
+    vocab = int(load_model(src, torch.float32, torch.device("cpu"))[1].vocab_size)
+    dst = tmp_path_factory.mktemp("checks") / "gemma3"
+    return with_random_tuned_heads(src, dst, LAYERS, 5, list(reversed(range(vocab))))
 
 
 @torch.inference_mode()
@@ -99,10 +109,17 @@ def test_int8_weights_keep_the_adapter_and_check_close_to_float(whole: Path) -> 
     ("measure", "threshold"),
     [("shortlist_margin", 0.05), ("shortlist_max_prob", 0.1), ("classifier", 0.5)],
 )
+@pytest.mark.parametrize("model", ["whole", "gemma_heads"])
 def test_checks_inside_the_layer_call_decide_as_checks_apart(
-    whole: Path, policy: str, measure: str, threshold: float, monkeypatch: pytest.MonkeyPatch
+    model: str,
+    policy: str,
+    measure: str,
+    threshold: float,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
-    llm = make_llm(whole, exit_policy=policy, enable_prefix_caching=False)
+    """Llama and Gemma 3 layers (its local layers past their window)."""
+    llm = make_llm(request.getfixturevalue(model), exit_policy=policy, enable_prefix_caching=False)
     loop = llm.engine.runner.exit_loop
     calls: list[int] = []
     run_checked = loop.stack.run_checked

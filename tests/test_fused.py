@@ -217,7 +217,7 @@ def _stack_args(ops: NativeOps, kv: PagedKVCache) -> tuple[FusedDecoder, list[ob
     fused, plan, h, cos, sin = _decode_pass(ops, "int8")
     args = [h, fused._stack, fused.eps, cos, sin, kv.k, kv.v, 0, plan.slot_mapping,
             plan.row_slots.contiguous(), plan.row_lens, CFG.num_heads, CFG.num_kv_heads,
-            CFG.intermediate_size, CFG.head_dim**-0.5]  # fmt: skip
+            CFG.intermediate_size, CFG.head_dim**-0.5, 0, [], None, None, None, None]  # fmt: skip
     return fused, args
 
 
@@ -248,6 +248,9 @@ def test_the_output_does_not_depend_on_the_thread_count(ops: NativeOps) -> None:
         (lambda a: a.__setitem__(1, a[1][:10]), "11 tensors per layer"),
         (lambda a: a.__setitem__(7, 2), "layers past the pool"),
         (lambda a: a.__setitem__(0, a[0][:, :32]), "decode_stack"),
+        (lambda a: a.__setitem__(15, 2), "arch 0 \\(Llama\\) or 1 \\(Gemma 3\\)"),
+        (lambda a: a.__setitem__(16, [0, 1, 0]), "one local flag per Gemma 3 layer, none for"),
+        (lambda a: a.__setitem__(15, 1), "14 tensors per layer"),
     ],
 )
 def test_bad_rows_raise_and_write_nothing(ops: NativeOps, change: object, message: str) -> None:

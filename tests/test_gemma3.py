@@ -240,8 +240,9 @@ def _mixed_within_the_window() -> AttnMeta:
 @pytest.mark.parametrize("kind", ["float32", "int8"])
 @pytest.mark.parametrize("pass_", [_decode_past_the_window, _mixed_within_the_window])
 def test_fused_layers_equal_the_module_path(tiny: Path, kind: str, pass_: object) -> None:
-    """``gemma3_layer`` (one kernel call a layer) computes the modules' numbers and K/V, the local
-    layers with their own rotary tables and windowed contexts."""
+    """``gemma3_layer`` (one kernel call a layer) and ``decode_stack`` (a pass of decode rows, every
+    layer in one call) compute the modules' numbers and K/V, the local layers with their own
+    rotary tables and windowed contexts."""
     ops = native.load()
     if ops is None:
         pytest.skip("CPU kernels unavailable")
@@ -253,6 +254,8 @@ def test_fused_layers_equal_the_module_path(tiny: Path, kind: str, pass_: object
     meta = pass_()  # type: ignore[operator]
     plan, local = meta.pass_attention(), meta.window_pass_attention(WINDOW)
     assert plan is not None and local is not None
+    # Decode rows alone run every layer in one call (decode_stack), the mixed pass one a layer.
+    assert fused.stacks(plan, local) == (pass_ is _decode_past_the_window)
     pos = torch.tensor([p for s in meta.spans for p in s.q_positions])
     cos, sin = (t[pos] for t in rope_tables(cfg, 32))
     h = torch.randn(len(pos), cfg.hidden_size)

@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from eeserve.engine.attention import AttnMeta, PagedKVCache
-from eeserve.kernels.fused import CheckedSpan, FusedDecoder
+from eeserve.kernels.fused import CheckedSpan, FusedDecoder, PassAttention
 from eeserve.models.llama import LlamaForCausalLM, Rotary
 
 
@@ -31,31 +31,39 @@ class LayerStack:
         self, h: torch.Tensor, rot: Rotary, meta: AttnMeta, start: int, end: int
     ) -> torch.Tensor:
         """h [N, D], the input of layer ``start`` -> the output of layer ``end - 1``."""
-        if self.fused is not None:
-            window = self.fused.window
-            plan = meta.pass_attention()
-            local = plan if window is None else meta.window_pass_attention(window)
-            if plan is not None and local is not None:
-                kv = self.kv
-                return self.fused.run(h, rot.cos, rot.sin, kv.k, kv.v, plan, start, end, local)
+        plans = self._plans(meta)
+        if plans is not None:
+            assert self.fused is not None
+            kv = self.kv
+            return self.fused.run(h, rot.cos, rot.sin, kv.k, kv.v, plans[0], start, end, plans[1])
         attn = partial(self.kv.attend, meta=meta)
         for layer in self.model.layers[start:end]:
             h = layer(h, rot, attn)
         return h
 
+    def _plans(self, meta: AttnMeta) -> tuple[PassAttention, PassAttention] | None:
+        """How the rows attend in the global and the local layers, when the fused decoder runs
+        the pass (else None)."""
+        if self.fused is None:
+            return None
+        window = self.fused.window
+        plan = meta.pass_attention()
+        local = plan if window is None else meta.window_pass_attention(window)
+        return None if plan is None or local is None else (plan, local)
+
     def stacks(self, meta: AttnMeta) -> bool:
         """Whether ``run_checked`` applies to a pass of these rows."""
-        if self.fused is None:
-            return False
-        plan = meta.pass_attention()
-        return plan is not None and self.fused.stacks(plan)
+        plans = self._plans(meta)
+        return plans is not None and self.fused is not None and self.fused.stacks(*plans)
 
     def run_checked(
         self, h: torch.Tensor, rot: Rotary, meta: AttnMeta, start: int, end: int, span: CheckedSpan
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Layers [start, end) with ``span``'s checks: (the output [N, D] of the last layer run,
         the confidences [C, N], the check that stopped the run or -1). See ``FusedDecoder``."""
-        plan = meta.pass_attention()
-        assert self.fused is not None and plan is not None
+        plans = self._plans(meta)
+        assert self.fused is not None and plans is not None
         kv = self.kv
-        return self.fused.run_checked(h, rot.cos, rot.sin, kv.k, kv.v, plan, start, end, span)
+        return self.fused.run_checked(
+            h, rot.cos, rot.sin, kv.k, kv.v, plans[0], start, end, span, plans[1]
+        )

@@ -9,8 +9,8 @@ local rotary tables and ``local_attn``, the rows' windowed contexts). ``run`` co
 chunks as spans of consecutive rows: ``PassAttention``), writing their K/V as
 ``LlamaDecoderLayer.forward`` with the engine's attention would, with the same kernels in the
 same order: the same numbers, without the ~15 Python calls per layer. A pass whose rows all
-attend one query each (decode steps) over Llama layers runs the whole range in one call
-(``decode_stack``, ``csrc/decode_stack.cpp``); ``run_checked`` runs such a range with exit
+attend one query each (decode steps) runs the whole range in one call (``decode_stack``,
+``csrc/decode_stack.cpp``, Llama and Gemma 3 layers); ``run_checked`` runs such a range with exit
 checks between its layers (``decode_stack_checked``), stopping after the first check where a
 row may leave. Tensors come in plain (the pools, slot tables):
 this layer does not know the engine's cache classes.
@@ -29,8 +29,11 @@ from eeserve.kernels.quant import Int8Linear
 from eeserve.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer
 from eeserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
-# Tensors per layer in decode_stack's weight list (decoder_layer's weights without eps).
-STACK_TENSORS = 11
+# decode_stack's layer types (its ``arch``), and their tensors per layer in its weight list: the
+# layer kernel's weights without eps (decoder_layer's, gemma3_layer's).
+STACK_ARCH = {"llama": 0, "gemma3": 1}
+STACK_TENSORS = {"llama": 11, "gemma3": 14}
+_EPS_INDEX = {"llama": 2, "gemma3": 6}  # where eps sits among a layer kernel's weights
 Tables = tuple[torch.Tensor, torch.Tensor]  # a layer's rotary (cos, sin), each [R, head_dim]
 # (packed weight, int8 scales or None, bias or None)
 Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -162,12 +165,16 @@ class FusedDecoder:
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.intermediate = cfg.intermediate_size
         self.scale = cfg.head_dim**-0.5
-        # Every Llama layer's weights in decode_stack's order (STACK_TENSORS a layer), when
-        # every layer is one: a pass of decode rows then runs its layers in one call.
+        # Every layer's weights in decode_stack's order (STACK_TENSORS a layer), when the layers
+        # are all of one type it computes: a pass of decode rows then runs them in one call.
         self._stack: list[object] | None = None
-        if all(layer.op is ops.ops.decoder_layer for layer in layers):
-            self.eps = layers[0].weights[2]
-            self._stack = [t for layer in layers for i, t in enumerate(layer.weights) if i != 2]
+        self.arch = next((a for a, op in (("llama", ops.ops.decoder_layer),
+                                          ("gemma3", ops.ops.gemma3_layer))
+                          if all(layer.op is op for layer in layers)), None)  # fmt: skip
+        if self.arch is not None:
+            at = _EPS_INDEX[self.arch]
+            self.eps = layers[0].weights[at]
+            self._stack = [t for layer in layers for i, t in enumerate(layer.weights) if i != at]
         # Per-layer views of the KV pools, made once per pool (``_pool_views``).
         self._pools: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         # The last pass's rotary tables and their halves (``_rotary_tables``).
@@ -211,8 +218,8 @@ class FusedDecoder:
         """``local_attn``: how the rows attend in the local layers (within the window; None:
         as ``attn``)."""
         stop = len(self.layers) if end is None else end
-        if self.stacks(attn):
-            args = self._stack_args((h, cos, sin, k_pool, v_pool), attn, start, stop)
+        if self.stacks(attn, local_attn):
+            args = self._stack_args((h, cos, sin, k_pool, v_pool), attn, local_attn, start, stop)
             return self.ops.ops.decode_stack(*args)  # type: ignore[no-any-return]
         pools = self._pool_views(k_pool, v_pool)
         tables = self._rotary_tables(cos, sin)
@@ -224,9 +231,12 @@ class FusedDecoder:
             h = layer.op(h, *layer.weights, *tables[layer.local], *pools[i], *metas[layer.local])
         return h
 
-    def stacks(self, attn: PassAttention) -> bool:
-        """Whether a pass of these rows runs its layers in one call (decode rows only)."""
-        return self._stack is not None and attn.row_idx is None and not attn.span_starts
+    def stacks(self, attn: PassAttention, local_attn: PassAttention | None = None) -> bool:
+        """Whether a pass of these rows runs its layers in one call (decode rows only, in the
+        local layers too)."""
+        return self._stack is not None and all(
+            a.row_idx is None and not a.span_starts for a in (attn, local_attn) if a is not None
+        )
 
     def run_checked(
         self,
@@ -239,33 +249,45 @@ class FusedDecoder:
         start: int,
         stop: int,
         span: CheckedSpan,
+        local_attn: PassAttention | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Layers ``[start, stop)`` with ``span``'s checks between them (``stacks(attn)`` must
-        hold): (the output [R, D] of the last layer run, the confidences [C, R] (NaN for checks
-        not reached), the check that stopped the run or -1)."""
-        assert self.stacks(attn)
+        """Layers ``[start, stop)`` with ``span``'s checks between them (``stacks(attn,
+        local_attn)`` must hold): (the output [R, D] of the last layer run, the confidences
+        [C, R] (NaN for checks not reached), the check that stopped the run or -1)."""
+        assert self.stacks(attn, local_attn)
         after = [layer - 1 - start for layer in span.layers]
         tensors = [t for c in span.checks for t in c.tensors]
         out, conf, stopped = self.ops.ops.decode_stack_checked(
-            *self._stack_args((h, cos, sin, k_pool, v_pool), attn, start, stop),
+            *self._stack_args((h, cos, sin, k_pool, v_pool), attn, local_attn, start, stop),
             after, [c.eps for c in span.checks], tensors, STACK_MEASURES[span.measure],
             span.shortlist_rows, span.thresholds,
         )  # fmt: skip
         return out, conf, int(stopped)
 
     def _stack_args(
-        self, tensors: tuple[torch.Tensor, ...], attn: PassAttention, start: int, stop: int
+        self,
+        tensors: tuple[torch.Tensor, ...],
+        attn: PassAttention,
+        local_attn: PassAttention | None,
+        start: int,
+        stop: int,
     ) -> list[object]:
         """decode_stack's arguments for layers ``[start, stop)`` of rows that each attend one
         query (decode steps); decode_stack_checked's first ones. ``tensors``: (h [R, D], cos,
-        sin, k_pool, v_pool)."""
-        assert self._stack is not None
+        sin, k_pool, v_pool); ``local_attn``: the rows' contexts in local layers (None: as
+        ``attn``)."""
+        assert self._stack is not None and self.arch is not None
         h, cos, sin, k_pool, v_pool = tensors
-        n = STACK_TENSORS
+        n = STACK_TENSORS[self.arch]
+        tables = self._rotary_tables(cos, sin)
+        local = local_attn or attn
+        flags = [int(layer.local) for layer in self.layers[start:stop]]
         return [
-            h.contiguous(), self._stack[start * n : stop * n], self.eps, cos, sin, k_pool, v_pool,
-            start, attn.slot_mapping, attn.row_slots.contiguous(), attn.row_lens,
+            h.contiguous(), self._stack[start * n : stop * n], self.eps, *tables[False], k_pool,
+            v_pool, start, attn.slot_mapping, attn.row_slots.contiguous(), attn.row_lens,
             self.num_heads, self.num_kv_heads, self.intermediate, self.scale,
+            STACK_ARCH[self.arch], flags if self.arch == "gemma3" else [],
+            *tables[True], local.row_slots.contiguous(), local.row_lens,
         ]  # fmt: skip
 
     def _rotary_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> dict[bool, Tables]:

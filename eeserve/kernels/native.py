@@ -39,6 +39,7 @@ _HEADER_NAMES = (
     "attend.h",
     "row_ops.h",
     "stack_pass.h",
+    "stack_checks.h",
 )
 HEADERS = tuple(_CSRC / name for name in _HEADER_NAMES)
 _lock = threading.Lock()

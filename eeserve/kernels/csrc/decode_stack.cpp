@@ -1,15 +1,20 @@
-// eeserve CPU kernel: a range of Llama decoder layers for a pass of decode rows, in one call and
-// one parallel region.
+// eeserve CPU kernel: a range of decoder layers (Llama or Gemma 3) for a pass of decode rows, in one
+// call and one parallel region.
 //
 // Contract: decode_stack(h [R, D] float32, weights, eps, cos, sin [R, hd], k_pool, v_pool
 // [layers, slots, Hkv, hd], first_layer, slot_mapping [R], row_slots [R, T], row_lens [R],
-// num_heads, num_kv_heads, intermediate, scale) -> the output [R, D] of layers first_layer ..
-// first_layer + L - 1, where weights holds, per layer, the 11 tensors (norm1, norm2, qkv_w,
-// qkv_s, qkv_b, o_w, o_s, gate_up_w, gate_up_s, down_w, down_s) that decoder_layer
-// (layer_ops.cpp) takes, a projection's scale None when it is float32. Every row attends
-// row-wise: row r is one query at its sequence's next position, over row_slots[r, :row_lens[r]]
-// (its own slot last), and its new K/V go to slot_mapping[r] of each layer's pool. The result is
-// decoder_layer's, layer after layer, with the same linear tiles (linear_tiles.h), attention tasks
+// num_heads, num_kv_heads, intermediate, scale, arch, local_layers, local_cos, local_sin,
+// local_slots, local_lens) -> the output [R, D] of layers first_layer .. first_layer + L - 1.
+// arch 0 (Llama): weights holds, per layer, the 11 tensors (norm1, norm2, qkv_w, qkv_s, qkv_b,
+// o_w, o_s, gate_up_w, gate_up_s, down_w, down_s) that decoder_layer (layer_ops.cpp) takes, and
+// the local arguments are empty. arch 1 (Gemma 3): the 14 tensors of gemma3_layer (in_norm,
+// attn_out_norm, mlp_in_norm, mlp_out_norm, q_norm, k_norm, then the four projections' weight and
+// scale); local_layers[l] says whether layer l of the call is a sliding-window layer, which
+// rotates with local_cos/local_sin and attends over local_slots[r, :local_lens[r]] (the window).
+// A projection's scale is None when it is float32. Every row attends row-wise: row r is one query
+// at its sequence's next position, over row_slots[r, :row_lens[r]] (its own slot last), and its
+// new K/V go to slot_mapping[r] of each layer's pool. The result is decoder_layer's (or
+// gemma3_layer's), layer after layer, with the same linear tiles (linear_tiles.h), attention tasks
 // (attend.h) and row arithmetic (row_ops.h): equal up to float summation order.
 //
 // Why: a decode step's layer is ~15 small steps around 4 projections. As separate ops each costs
@@ -33,6 +38,7 @@
 #include "attend.h"
 #include "linear_tiles.h"
 #include "row_ops.h"
+#include "stack_checks.h"
 #include "stack_pass.h"
 
 #include <immintrin.h>
@@ -52,11 +58,20 @@ using namespace eeserve_stack;
 using eeserve_linear::CHUNK;
 using eeserve_linear::TILE;
 
-// Row r: rotate its query and key heads (HF's rotate-half), write its K/V, scale its query.
+const Context& context(const Pass& ps, const Layer& L) { return L.local ? ps.local : ps.global; }
+
+// Row r: norm its query and key heads (Gemma 3), rotate them (HF's rotate-half), write its K/V,
+// scale its query.
 void rope_row(const Pass& ps, const Layer& L, int64_t r) {
   const int64_t hd = ps.hd;
   float* row = ps.qkv + r * (ps.H + 2 * ps.Hkv) * hd;
-  eeserve_rows::rotate_heads<float>(row, ps.cos + r * hd, ps.sin + r * hd, ps.H + ps.Hkv, hd);
+  if (L.q_norm != nullptr) {
+    for (int64_t i = 0; i < ps.H; ++i) eeserve_rows::rms_norm_row<float>(row + i * hd, L.q_norm, row + i * hd, hd, ps.eps);
+    for (int64_t i = ps.H; i < ps.H + ps.Hkv; ++i)
+      eeserve_rows::rms_norm_row<float>(row + i * hd, L.k_norm, row + i * hd, hd, ps.eps);
+  }
+  const Context& c = context(ps, L);
+  eeserve_rows::rotate_heads<float>(row, c.cos + r * hd, c.sin + r * hd, ps.H + ps.Hkv, hd);
   const int64_t kv = ps.Hkv * hd, slot = ps.slot_mapping[r];
   std::copy(row + ps.H * hd, row + ps.H * hd + kv, L.kc + slot * kv);
   std::copy(row + ps.H * hd + kv, row + ps.H * hd + 2 * kv, L.vc + slot * kv);
@@ -70,18 +85,20 @@ struct Scratch {
 
 template <int64_t DC>
 void attend_task(const Pass& ps, const Layer& L, int64_t task, Scratch& sc) {
-  const int64_t r = std::upper_bound(ps.first.begin(), ps.first.end(), task) - ps.first.begin() - 1;
-  const int64_t len = ps.row_lens[r], t0 = (task - ps.first[r]) * eeserve_attend::KSPLIT;
+  const Context& c = context(ps, L);
+  const int64_t r = std::upper_bound(c.first.begin(), c.first.end(), task) - c.first.begin() - 1;
+  const int64_t len = c.lens[r], t0 = (task - c.first[r]) * eeserve_attend::KSPLIT;
   const int64_t t1 = std::min(len, t0 + eeserve_attend::KSPLIT);
-  eeserve_attend::attend_positions<float, DC>(ps.q + r * ps.H * ps.hd, L.kc, L.vc, ps.row_slots + r * ps.T, t0,
-                                              t1, len, ps.H, ps.Hkv, ps.hd, sc.scores.data(), sc.buf.data(),
+  eeserve_attend::attend_positions<float, DC>(ps.q + r * ps.H * ps.hd, L.kc, L.vc, c.slots + r * c.T, t0, t1, len,
+                                              ps.H, ps.Hkv, ps.hd, sc.scores.data(), sc.buf.data(),
                                               ps.part + task * ps.H * (ps.hd + 2));
 }
 
 template <int64_t DC>
-void merge_row(const Pass& ps, int64_t r, Scratch& sc) {
-  const int64_t n = ps.first[r + 1] - ps.first[r];
-  eeserve_attend::merge_partials<float, DC>(ps.part + ps.first[r] * ps.H * (ps.hd + 2), n, ps.H, ps.hd,
+void merge_row(const Pass& ps, const Layer& L, int64_t r, Scratch& sc) {
+  const Context& c = context(ps, L);
+  const int64_t n = c.first[r + 1] - c.first[r];
+  eeserve_attend::merge_partials<float, DC>(ps.part + c.first[r] * ps.H * (ps.hd + 2), n, ps.H, ps.hd,
                                             sc.o.data(), ps.att + r * ps.H * ps.hd);
 }
 
@@ -89,51 +106,17 @@ void add_rows(const float* a, const float* b, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
 }
 
+// A projection's output row y added to the residual row r: out = y + r, or with Gemma 3's output
+// norm w, out = norm(y) + r. y stays as it is (a check's Out and the next layer's In both write
+// the same out from it); out must not alias r.
+void residual_row(const Pass& ps, const float* w, const float* y, const float* r, float* out) {
+  if (w == nullptr) return add_rows(y, r, out, ps.D);
+  eeserve_rows::rms_norm_row<float>(y, w, out, ps.D, ps.eps);
+  for (int64_t i = 0; i < ps.D; ++i) out[i] += r[i];
+}
+
 // The rows' input of layer l: the pass's h, or the previous layer's down(...) + mid.
 const float* layer_input(const Pass& ps, int64_t l) { return l == 0 ? ps.h : ps.hout; }
-
-// A row's confidence from its K shortlist logits: the softmax's top probability, or its margin
-// over the second (measures.confidence's arithmetic, in two passes over the row).
-float shortlist_conf(const float* x, int64_t K, bool margin) {
-  float m1 = -std::numeric_limits<float>::infinity(), m2 = m1;
-  for (int64_t k = 0; k < K; ++k) {
-    if (x[k] > m1) {
-      m2 = m1, m1 = x[k];
-    } else if (x[k] > m2) {
-      m2 = x[k];
-    }
-  }
-  float sum = 0.f;
-  for (int64_t k = 0; k < K; ++k) sum += std::exp(x[k] - m1);
-  return margin ? (1.f - std::exp(m2 - m1)) / sum : 1.f / sum;
-}
-
-// Task t (a row, or tiles of a projection) of a check's step. The check reads hout, the output
-// of its layer, and leaves it as it is.
-void check_task(const Pass& ps, const Phase& ph, int64_t t) {
-  const Check& c = ps.checks[ph.check];
-  const int64_t D = ps.D;
-  const float* x = ps.hout + t * D;
-  switch (ph.step) {
-    case Step::CkStage: return stage_row(ps, c.pre, x, t);
-    case Step::CkPre: return project_task(ps, c.pre, ps.ck_y, t);
-    case Step::CkNorm:
-      eeserve_rows::rms_norm_row<float>(c.pre.n > 0 ? ps.ck_y + t * D : x, c.norm, ps.xn + t * D, D, c.eps);
-      return stage_row(ps, c.rows, ps.xn + t * D, t);
-    case Step::CkRows: return project_task(ps, c.rows, ps.ck_logits, t);
-    default: break;
-  }
-  float conf;
-  if (ps.measure == Measure::Classifier) {
-    float dot = c.probe_bias;
-    for (int64_t d = 0; d < D; ++d) dot += x[d] * c.probe[d];
-    conf = 1.f / (1.f + std::exp(-dot));
-  } else {
-    conf = shortlist_conf(ps.ck_logits + t * c.rows.n, c.rows.n, ps.measure == Measure::ShortlistMargin);
-  }
-  c.conf[t] = conf;
-  if (conf >= c.threshold[t]) ps.stopped.store(ph.check, std::memory_order_relaxed);
-}
 
 template <int64_t DC>
 void run_task(const Pass& ps, const Phase& ph, int64_t t, Scratch& sc) {
@@ -141,24 +124,28 @@ void run_task(const Pass& ps, const Phase& ph, int64_t t, Scratch& sc) {
   const int64_t D = ps.D, I = ps.I, Hd = ps.H * ps.hd;
   switch (ph.step) {
     case Step::In:  // t: a row
-      if (ph.layer > 0) add_rows(ps.proj + t * D, ps.mid + t * D, ps.hout + t * D, D);
+      if (ph.layer > 0)
+        residual_row(ps, ps.layers[ph.layer - 1].mlp_out_norm, ps.proj + t * D, ps.mid + t * D, ps.hout + t * D);
       eeserve_rows::rms_norm_row<float>(layer_input(ps, ph.layer) + t * D, L.norm1, ps.xn + t * D, D, ps.eps);
       return stage_row(ps, L.qkv, ps.xn + t * D, t);
     case Step::Qkv: return project_task(ps, L.qkv, ps.qkv, t);
     case Step::Rope: return rope_row(ps, L, t);
     case Step::Attend: return attend_task<DC>(ps, L, t, sc);
-    case Step::Merge: merge_row<DC>(ps, t, sc); return stage_row(ps, L.o, ps.att + t * Hd, t);
+    case Step::Merge: merge_row<DC>(ps, L, t, sc); return stage_row(ps, L.o, ps.att + t * Hd, t);
     case Step::O: return project_task(ps, L.o, ps.proj, t);
     case Step::Mid:
-      add_rows(ps.proj + t * D, layer_input(ps, ph.layer) + t * D, ps.mid + t * D, D);
+      residual_row(ps, L.attn_out_norm, ps.proj + t * D, layer_input(ps, ph.layer) + t * D, ps.mid + t * D);
       eeserve_rows::rms_norm_row<float>(ps.mid + t * D, L.norm2, ps.xn + t * D, D, ps.eps);
       return stage_row(ps, L.gate_up, ps.xn + t * D, t);
     case Step::GateUp: return project_task(ps, L.gate_up, ps.proj, t);
     case Step::Act:
-      eeserve_rows::silu_mul_row<float>(ps.proj + t * 2 * I, ps.xn + t * I, I);
+      if (ps.arch == Arch::Gemma3)
+        eeserve_rows::gelu_tanh_mul_row<float>(ps.proj + t * 2 * I, ps.xn + t * I, I);
+      else
+        eeserve_rows::silu_mul_row<float>(ps.proj + t * 2 * I, ps.xn + t * I, I);
       return stage_row(ps, L.down, ps.xn + t * I, t);
     case Step::Down: return project_task(ps, L.down, ps.proj, t);
-    case Step::Out: return add_rows(ps.proj + t * D, ps.mid + t * D, ps.hout + t * D, D);
+    case Step::Out: return residual_row(ps, L.mlp_out_norm, ps.proj + t * D, ps.mid + t * D, ps.hout + t * D);
     case Step::CkStage:
     case Step::CkPre:
     case Step::CkNorm:
@@ -210,7 +197,7 @@ std::unique_ptr<Phase[]> plan(const Pass& ps, int64_t& n) {
     add(Step::In, l, R);
     add(Step::Qkv, l, project_tasks(ps, y.qkv));
     add(Step::Rope, l, R);
-    add(Step::Attend, l, ps.first[R]);
+    add(Step::Attend, l, context(ps, y).first[R]);
     add(Step::Merge, l, R);
     add(Step::O, l, project_tasks(ps, y.o));
     add(Step::Mid, l, R);
@@ -234,26 +221,46 @@ std::unique_ptr<Phase[]> plan(const Pass& ps, int64_t& n) {
   return phases;
 }
 
-// Reads the call's layers into ps (its checks already there), runs every thread's walk and
-// returns the output [R, D]: the last layer's, or that of the layer whose check stopped the pass.
-at::Tensor run_stack(Pass& ps, const at::Tensor& h, const c10::List<c10::optional<at::Tensor>>& weights,
-                     double eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
-                     const at::Tensor& v_pool, int64_t first_layer, const at::Tensor& slot_mapping,
-                     const at::Tensor& row_slots, const at::Tensor& row_lens, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t intermediate, double scale, int64_t Kc) {
-  check_rows(h, cos, sin, k_pool, v_pool, slot_mapping, row_slots, row_lens, num_heads, num_kv_heads);
-  const int64_t R = h.size(0), D = h.size(1), H = num_heads, Hkv = num_kv_heads, hd = k_pool.size(3);
-  const int64_t I = intermediate, Kmax = (std::max({D, H * hd, I}) + CHUNK - 1) / CHUNK * CHUNK;
-  ps.R = R, ps.D = D, ps.H = H, ps.Hkv = Hkv, ps.hd = hd, ps.I = I, ps.T = row_slots.size(1);
+// decode_stack's arguments (decode_stack_checked's first ones), as the op receives them.
+struct StackArgs {
+  const at::Tensor& h;
+  const c10::List<c10::optional<at::Tensor>>& weights;
+  double eps;
+  const at::Tensor &cos, &sin, &k_pool, &v_pool;
+  int64_t first_layer;
+  const at::Tensor &slot_mapping, &row_slots, &row_lens;
+  int64_t num_heads, num_kv_heads, intermediate;
+  double scale;
+  int64_t arch;
+  at::IntArrayRef local_layers;
+  const c10::optional<at::Tensor>&local_cos, &local_sin, &local_slots, &local_lens;
+};
+
+// Reads the call's rows and layers into ps (its checks already there), runs every thread's walk
+// and returns the output [R, D]: the last layer's, or that of the layer whose check stopped the
+// pass. Kc: the checks' shortlist rows (0 without).
+at::Tensor run_stack(Pass& ps, const StackArgs& a, int64_t Kc) {
+  const at::Tensor& h = a.h;
+  TORCH_CHECK(a.arch == 0 || a.arch == 1, "decode_stack: arch 0 (Llama) or 1 (Gemma 3)");
+  check_rows(h, a.k_pool, a.v_pool, a.slot_mapping, a.num_heads, a.num_kv_heads);
+  const int64_t R = h.size(0), D = h.size(1), H = a.num_heads, Hkv = a.num_kv_heads, hd = a.k_pool.size(3);
+  const int64_t I = a.intermediate, Kmax = (std::max({D, H * hd, I}) + CHUNK - 1) / CHUNK * CHUNK;
+  ps.R = R, ps.D = D, ps.H = H, ps.Hkv = Hkv, ps.hd = hd, ps.I = I;
   ps.tile_tasks_div = 4 * std::max<int64_t>(1, at::get_num_threads());
-  ps.eps = static_cast<float>(eps), ps.scale = static_cast<float>(scale);
-  ps.layers = read_layers(weights, k_pool, v_pool, first_layer, D, H, Hkv, hd, I);
-  ps.first.assign(R + 1, 0);
-  const int64_t* ln = row_lens.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) ps.first[r + 1] = ps.first[r] + (ln[r] + eeserve_attend::KSPLIT - 1) / eeserve_attend::KSPLIT;
+  ps.eps = static_cast<float>(a.eps), ps.scale = static_cast<float>(a.scale);
+  ps.arch = static_cast<Arch>(a.arch);
+  ps.layers = read_layers(a.weights, ps.arch, a.local_layers, a.k_pool, a.v_pool, a.first_layer, D, H, Hkv, hd, I);
+  ps.global = read_context(a.cos, a.sin, a.row_slots, a.row_lens, R, hd, eeserve_attend::KSPLIT);
+  int64_t tasks = ps.global.first[R];
+  if (std::any_of(ps.layers.begin(), ps.layers.end(), [](const Layer& y) { return y.local; })) {
+    TORCH_CHECK(a.local_cos && a.local_sin && a.local_slots && a.local_lens,
+                "decode_stack: local layers need their rotary tables, slots and lengths");
+    ps.local = read_context(*a.local_cos, *a.local_sin, *a.local_slots, *a.local_lens, R, hd, eeserve_attend::KSPLIT);
+    tasks = std::max(tasks, ps.local.first[R]);
+  }
   at::Tensor out = at::empty({R, D}, h.options());
   at::Tensor fbuf = at::empty({R * (Kmax + Kmax / CHUNK + (H + 2 * Hkv) * hd + 2 * H * hd + D + std::max(D, 2 * I)) +
-                                   ps.first[R] * H * (hd + 2) + R * (D + Kc)},
+                                   tasks * H * (hd + 2) + R * (D + Kc)},
                               h.options());
   at::Tensor qbuf = at::empty({R * Kmax}, h.options().dtype(at::kShort));
   float* f = fbuf.data_ptr<float>();
@@ -261,18 +268,17 @@ at::Tensor run_stack(Pass& ps, const at::Tensor& h, const c10::List<c10::optiona
   ps.h = h.data_ptr<float>(), ps.hout = out.data_ptr<float>();
   ps.xn = take(R * Kmax), ps.xs = take(R * Kmax / CHUNK), ps.qkv = take(R * (H + 2 * Hkv) * hd);
   ps.q = take(R * H * hd), ps.att = take(R * H * hd), ps.mid = take(R * D), ps.proj = take(R * std::max(D, 2 * I));
-  ps.part = take(ps.first[R] * H * (hd + 2));
+  ps.part = take(tasks * H * (hd + 2));
   ps.ck_y = take(R * D), ps.ck_logits = take(R * Kc);
   ps.xq = qbuf.data_ptr<int16_t>();
-  ps.cos = cos.data_ptr<float>(), ps.sin = sin.data_ptr<float>();
-  ps.slot_mapping = slot_mapping.data_ptr<int64_t>(), ps.row_slots = row_slots.data_ptr<int64_t>();
-  ps.row_lens = ln;
+  ps.slot_mapping = a.slot_mapping.data_ptr<int64_t>();
   int64_t n = 0;
   const std::unique_ptr<Phase[]> phases = plan(ps, n);
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     if (hd == 64) return walk<64>(ps, phases.get(), n);
     if (hd == 128) return walk<128>(ps, phases.get(), n);
+    if (hd == 256) return walk<256>(ps, phases.get(), n);
     walk<0>(ps, phases.get(), n);
   });
   return out;
@@ -282,47 +288,15 @@ at::Tensor decode_stack(const at::Tensor& h, const c10::List<c10::optional<at::T
                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
                         const at::Tensor& v_pool, int64_t first_layer, const at::Tensor& slot_mapping,
                         const at::Tensor& row_slots, const at::Tensor& row_lens, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t intermediate, double scale) {
+                        int64_t num_kv_heads, int64_t intermediate, double scale, int64_t arch,
+                        at::IntArrayRef local_layers, const c10::optional<at::Tensor>& local_cos,
+                        const c10::optional<at::Tensor>& local_sin, const c10::optional<at::Tensor>& local_slots,
+                        const c10::optional<at::Tensor>& local_lens) {
   Pass ps{};
-  return run_stack(ps, h, weights, eps, cos, sin, k_pool, v_pool, first_layer, slot_mapping, row_slots, row_lens,
-                   num_heads, num_kv_heads, intermediate, scale, 0);
-}
-
-// The checks of decode_stack_checked: 6 tensors each in `weights` (shortlist: pre weight, pre
-// scales, pre bias, norm weight, rows weight, rows scales; classifier: weight [D], -, bias [1]).
-std::vector<Check> read_checks(at::IntArrayRef after, at::ArrayRef<double> eps,
-                               const c10::List<c10::optional<at::Tensor>>& w, Measure m, int64_t K,
-                               const at::Tensor& thresholds, at::Tensor& conf, int64_t L, int64_t D) {
-  const int64_t C = static_cast<int64_t>(after.size());
-  TORCH_CHECK(static_cast<int64_t>(eps.size()) == C && static_cast<int64_t>(w.size()) == 6 * C,
-              "decode_stack_checked: one eps and 6 tensors per check");
-  TORCH_CHECK(thresholds.scalar_type() == at::kFloat && thresholds.is_contiguous() && thresholds.dim() == 2 &&
-                  thresholds.size(0) == C && thresholds.size(1) == conf.size(1),
-              "decode_stack_checked: thresholds [checks, R] float32");
-  std::vector<Check> checks(C);
-  for (int64_t c = 0; c < C; ++c) {
-    auto arg = [&](int64_t j) { return c10::optional<at::Tensor>(w.get(6 * c + j)); };
-    TORCH_CHECK(after[c] >= 0 && after[c] < L && (c == 0 || after[c] > after[c - 1]),
-                "decode_stack_checked: check layers increasing, within the call's layers");
-    Check& k = checks[c];
-    k.after = after[c], k.eps = static_cast<float>(eps[c]);
-    k.threshold = thresholds.data_ptr<float>() + c * conf.size(1), k.conf = conf.data_ptr<float>() + c * conf.size(1);
-    if (m == Measure::Classifier) {
-      const auto pw = arg(0), pb = arg(2);
-      TORCH_CHECK(pw.has_value() && pb.has_value() && pw->numel() == D && pb->numel() == 1 &&
-                      pw->scalar_type() == at::kFloat && pw->is_contiguous() && pb->scalar_type() == at::kFloat,
-                  "decode_stack_checked: a classifier's weight [D] and bias [1], float32");
-      k.probe = pw->data_ptr<float>(), k.probe_bias = *pb->data_ptr<float>();  // no dispatch per step
-      continue;
-    }
-    if (arg(0).has_value()) k.pre = make_proj(arg(0), arg(1), arg(2), D, D);
-    const auto nw = arg(3);
-    TORCH_CHECK(nw.has_value() && nw->numel() == D && nw->scalar_type() == at::kFloat && nw->is_contiguous(),
-                "decode_stack_checked: a norm weight [D] float32");
-    k.norm = nw->data_ptr<float>();
-    k.rows = make_proj(arg(4), arg(5), {}, K, D);
-  }
-  return checks;
+  const StackArgs a{h, weights, eps, cos, sin, k_pool, v_pool, first_layer, slot_mapping, row_slots, row_lens,
+                    num_heads, num_kv_heads, intermediate, scale, arch, local_layers, local_cos, local_sin,
+                    local_slots, local_lens};
+  return run_stack(ps, a, 0);
 }
 
 // decode_stack with exit checks between its layers: check c reads the output of layer
@@ -334,10 +308,14 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_stack_checked(
     const at::Tensor& h, const c10::List<c10::optional<at::Tensor>>& weights, double eps, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t first_layer,
     const at::Tensor& slot_mapping, const at::Tensor& row_slots, const at::Tensor& row_lens, int64_t num_heads,
-    int64_t num_kv_heads, int64_t intermediate, double scale, at::IntArrayRef check_after,
-    at::ArrayRef<double> check_eps, const c10::List<c10::optional<at::Tensor>>& check_weights, int64_t measure,
-    int64_t shortlist_rows, const at::Tensor& thresholds) {
+    int64_t num_kv_heads, int64_t intermediate, double scale, int64_t arch, at::IntArrayRef local_layers,
+    const c10::optional<at::Tensor>& local_cos, const c10::optional<at::Tensor>& local_sin,
+    const c10::optional<at::Tensor>& local_slots, const c10::optional<at::Tensor>& local_lens,
+    at::IntArrayRef check_after, at::ArrayRef<double> check_eps,
+    const c10::List<c10::optional<at::Tensor>>& check_weights, int64_t measure, int64_t shortlist_rows,
+    const at::Tensor& thresholds) {
   TORCH_CHECK(measure >= 0 && measure <= 2, "decode_stack_checked: measure 0 (max prob), 1 (margin), 2 (classifier)");
+  TORCH_CHECK(arch == 0 || arch == 1, "decode_stack: arch 0 (Llama) or 1 (Gemma 3)");
   const Measure m = static_cast<Measure>(measure);
   const int64_t K = m == Measure::Classifier ? 0 : shortlist_rows;
   TORCH_CHECK(m == Measure::Classifier || K > 0, "decode_stack_checked: a shortlist needs rows");
@@ -345,25 +323,29 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_stack_checked(
                              std::numeric_limits<float>::quiet_NaN(), h.options());
   Pass ps{};
   ps.measure = m;
-  const int64_t L = static_cast<int64_t>(weights.size()) / PER_LAYER;
+  const int64_t L = static_cast<int64_t>(weights.size()) / per_layer(static_cast<Arch>(arch));
   ps.checks = read_checks(check_after, check_eps, check_weights, m, K, thresholds, conf, L, h.size(1));
-  at::Tensor out = run_stack(ps, h, weights, eps, cos, sin, k_pool, v_pool, first_layer, slot_mapping, row_slots,
-                             row_lens, num_heads, num_kv_heads, intermediate, scale, K);
+  const StackArgs a{h, weights, eps, cos, sin, k_pool, v_pool, first_layer, slot_mapping, row_slots, row_lens,
+                    num_heads, num_kv_heads, intermediate, scale, arch, local_layers, local_cos, local_sin,
+                    local_slots, local_lens};
+  at::Tensor out = run_stack(ps, a, K);
   return {out, conf, ps.stopped.load()};
 }
 
 }  // namespace
 
+// The arguments decode_stack and decode_stack_checked share.
+#define EESERVE_STACK_ARGS                                                                                  \
+  "Tensor h, Tensor?[] weights, float eps, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, " \
+  "int first_layer, Tensor slot_mapping, Tensor row_slots, Tensor row_lens, int num_heads, "               \
+  "int num_kv_heads, int intermediate, float scale, int arch, int[] local_layers, Tensor? local_cos, "      \
+  "Tensor? local_sin, Tensor? local_slots, Tensor? local_lens"
+
 TORCH_LIBRARY_FRAGMENT(eeserve, m) {
-  m.def(
-      "decode_stack(Tensor h, Tensor?[] weights, float eps, Tensor cos, Tensor sin, Tensor(a!) k_pool, "
-      "Tensor(b!) v_pool, int first_layer, Tensor slot_mapping, Tensor row_slots, Tensor row_lens, "
-      "int num_heads, int num_kv_heads, int intermediate, float scale) -> Tensor");
-  m.def(
-      "decode_stack_checked(Tensor h, Tensor?[] weights, float eps, Tensor cos, Tensor sin, Tensor(a!) k_pool, "
-      "Tensor(b!) v_pool, int first_layer, Tensor slot_mapping, Tensor row_slots, Tensor row_lens, "
-      "int num_heads, int num_kv_heads, int intermediate, float scale, int[] check_after, float[] check_eps, "
-      "Tensor?[] check_weights, int measure, int shortlist_rows, Tensor thresholds) -> (Tensor, Tensor, int)");
+  m.def("decode_stack(" EESERVE_STACK_ARGS ") -> Tensor");
+  m.def("decode_stack_checked(" EESERVE_STACK_ARGS
+        ", int[] check_after, float[] check_eps, Tensor?[] check_weights, int measure, int shortlist_rows, "
+        "Tensor thresholds) -> (Tensor, Tensor, int)");
 }
 
 TORCH_LIBRARY_IMPL(eeserve, CPU, m) {

@@ -9,7 +9,8 @@
 // memory, and oneDNN's packed float32 kernel read the default model's smaller projections at
 // 19-30 GB/s of the ~45 GB/s that two cores can stream (docs/cpu-performance.md). Here each tile
 // of 32 output channels streams its weights once for all rows, with software prefetch ahead of
-// the stream; the same register tiling as the int8 kernel (int8_ops.cpp).
+// the stream; the same register tiling as the int8 kernel (int8_ops.cpp). AVX-512 and AVX2 (with
+// FMA) each have their register tile; other CPUs run a plain loop that the compiler vectorises.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,10 +28,62 @@ namespace {
 
 constexpr int64_t CB = 16;  // output channels per block of the packed layout
 constexpr int NV = 2;       // channel blocks per register tile (32 outputs)
-constexpr int ROWS = 12;      // rows per tile: 2 * 12 accumulators + 2 weights
+#if defined(__AVX512F__)
+constexpr int ROWS = 12;  // rows per tile: 2 * 12 accumulators + 2 weights of 32 registers
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int ROWS = 6;  // 2 * 6 accumulators + 2 weights + 1 input of 16 registers
+#else
+constexpr int ROWS = 12;
+#endif
 constexpr int64_t PF = 2048;  // bytes ahead of the current input that each block is prefetched
 
 using LinearArgs = eeserve_linear::F32Args;
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// AVX2's tile: the two blocks of 16 channels one after the other, each as two 8-lane halves, so
+// that 6 rows' accumulators fit the 16 registers and a block's weights, read from L2 once per 6
+// rows, serve 12 FMAs per input. One row alone keeps two accumulator sets over alternate inputs
+// (4 independent FMA chains would leave the FMA latency exposed).
+template <int MRT>
+inline void avx2_tile(int64_t K, const float* w, const float* x, float out[MRT][NV * CB]) {
+  constexpr int S = MRT == 1 ? 2 : 1;
+  for (int v = 0; v < NV; ++v) {
+    const float* wb = w + v * K * CB;
+    __m256 acc[S][MRT][2];
+    for (int s = 0; s < S; ++s)
+      for (int m = 0; m < MRT; ++m) acc[s][m][0] = acc[s][m][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + S <= K; k += S) {
+#pragma GCC unroll 2
+      for (int s = 0; s < S; ++s) {
+        const float* wk = wb + (k + s) * CB;  // one cache line per input
+        _mm_prefetch(reinterpret_cast<const char*>(wk) + PF, _MM_HINT_T0);
+        const __m256 lo = _mm256_loadu_ps(wk), hi = _mm256_loadu_ps(wk + 8);
+#pragma GCC unroll 6
+        for (int m = 0; m < MRT; ++m) {
+          const __m256 xv = _mm256_broadcast_ss(x + m * K + k + s);
+          acc[s][m][0] = _mm256_fmadd_ps(xv, lo, acc[s][m][0]);
+          acc[s][m][1] = _mm256_fmadd_ps(xv, hi, acc[s][m][1]);
+        }
+      }
+    }
+    for (; k < K; ++k) {
+      const __m256 lo = _mm256_loadu_ps(wb + k * CB), hi = _mm256_loadu_ps(wb + k * CB + 8);
+      for (int m = 0; m < MRT; ++m) {
+        const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
+        acc[0][m][0] = _mm256_fmadd_ps(xv, lo, acc[0][m][0]);
+        acc[0][m][1] = _mm256_fmadd_ps(xv, hi, acc[0][m][1]);
+      }
+    }
+    for (int m = 0; m < MRT; ++m)
+      for (int half = 0; half < 2; ++half) {
+        __m256 sum = acc[0][m][half];
+        for (int s = 1; s < S; ++s) sum = _mm256_add_ps(sum, acc[s][m][half]);
+        _mm256_storeu_ps(out[m] + v * CB + 8 * half, sum);
+      }
+  }
+}
+#endif
 
 // The register tile that tile_loop.h runs over rows and channels: out[m][v*16 + c] for MRT
 // rows from m0 and the NV channel blocks from n0.
@@ -80,6 +133,8 @@ struct Kernel {
         for (int s = 1; s < S; ++s) sum = _mm512_add_ps(sum, acc[s][m][v]);
         _mm512_storeu_ps(out[m] + v * CB, sum);
       }
+#elif defined(__AVX2__) && defined(__FMA__)
+    avx2_tile<MRT>(K, w, x, out);
 #else
     for (int m = 0; m < MRT; ++m)
       for (int i = 0; i < NV * CB; ++i) out[m][i] = 0.f;

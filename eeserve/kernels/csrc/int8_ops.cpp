@@ -18,8 +18,10 @@
 // each int8 weight to float32 for an FMA costs three vector instructions per 16 weights, so the
 // previous kernel ran at 10-13 GB/s of weights per core: compute-bound, below the memory bus.
 // With int16 activations one VNNI instruction (vpdpwssd) multiplies 32 weights, widened to int16
-// once for all rows of the tile. Without AVX-512 VNNI a plain loop does the same integer
-// arithmetic (the compiler vectorises it), so the result does not depend on the CPU.
+// once for all rows of the tile. With AVX2 instead, vpmaddwd multiplies and pair-sums 16 of them
+// at a time; elsewhere a plain loop does the same integer arithmetic (the compiler vectorises
+// it). Chunk sums are exact integers in every path and scaled alike, so the result does not
+// depend on the CPU.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -44,7 +46,13 @@ constexpr int64_t PAIRS = CHUNK / 2;
 // Bytes ahead of the current chunk that each block's next weights are prefetched from: 2 KB was
 // 15% faster at 1 row and 30-45% at 8 rows than the hardware prefetcher alone (0, 512 B-8 KB tried).
 constexpr int64_t PF = 2048;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr int ROWS = 6;  // rows per tile: 2 * 6 int32 + 2 * 6 float accumulators + 2 weights
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int ROWS = 6;  // 2 * 6 int32 accumulators + 2 weight halves + 1 input of 16 registers
+#else
+constexpr int ROWS = 6;
+#endif
 
 // Row m of x -> xq[m] (int16, Kp) and xs[m] (one scale per chunk of 32; zero past K).
 void quantize_row(const float* x, int64_t K, int64_t Kp, int16_t* xq, float* xs) {
@@ -61,6 +69,55 @@ void quantize_row(const float* x, int64_t K, int64_t Kp, int16_t* xq, float* xs)
 }
 
 using LinearArgs = eeserve_linear::Int8Args;
+
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
+// AVX2's tile: a block's 16 channels are two halves of 8; per pair of inputs, vpmaddwd multiplies
+// a half's 8 (w0, w1) pairs, widened to int16, by the row's (x0, x1) and sums each pair into its
+// channel's int32 lane. The two blocks go one after the other, so that 6 rows' accumulators fit
+// the 16 registers and each widened weight serves 6 rows. A chunk's sums are exact; then scaled
+// into float totals as AVX-512's are.
+template <int MRT>
+inline void avx2_tile(const LinearArgs& a, int64_t chunks, int64_t blk_bytes, const int8_t* w, const float* sc,
+                      const int16_t* xq, const float* xs, float out[MRT][NV * CB]) {
+  const int64_t Kp = a.Kp;
+  for (int v = 0; v < NV; ++v) {
+    const int8_t* wb = w + v * blk_bytes;
+    __m256 total[MRT][2];
+    for (int m = 0; m < MRT; ++m) total[m][0] = total[m][1] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m256i acc[MRT][2];
+      for (int m = 0; m < MRT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+      const int64_t p0 = c * PAIRS;
+      for (int64_t ahead = PF; ahead < PF + PAIRS * 2 * CB; ahead += 64)  // a later chunk
+        _mm_prefetch(reinterpret_cast<const char*>(wb + p0 * 2 * CB + ahead), _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int64_t p = 0; p < PAIRS; ++p) {
+        const int8_t* wp = wb + (p0 + p) * 2 * CB;
+        const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
+        const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16)));
+#pragma GCC unroll 6
+        for (int m = 0; m < MRT; ++m) {
+          int32_t pair;
+          std::memcpy(&pair, xq + m * Kp + (p0 + p) * 2, sizeof pair);
+          const __m256i xv = _mm256_set1_epi32(pair);
+          acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(lo, xv));
+          acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(hi, xv));
+        }
+      }
+      const int64_t g = a.groups == 1 ? 0 : c;
+      for (int half = 0; half < 2; ++half) {
+        const __m256 swv = _mm256_loadu_ps(sc + (v * a.groups + g) * CB + 8 * half);
+        for (int m = 0; m < MRT; ++m) {
+          const __m256 f = _mm256_mul_ps(swv, _mm256_set1_ps(xs[m * chunks + c]));
+          total[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][half]), f, total[m][half]);
+        }
+      }
+    }
+    for (int m = 0; m < MRT; ++m)
+      for (int half = 0; half < 2; ++half) _mm256_storeu_ps(out[m] + v * CB + 8 * half, total[m][half]);
+  }
+}
+#endif
 
 // The register tile that tile_loop.h runs over rows and channels: out[m][v*16 + c] for MRT
 // rows from m0 and the NV channel blocks from n0.
@@ -122,6 +179,8 @@ struct Kernel {
     }
     for (int m = 0; m < MRT; ++m)
       for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out[m] + v * CB, total[m][v]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    avx2_tile<MRT>(a, chunks, blk_bytes, w, sc, xq, xs, out);
 #else
     for (int m = 0; m < MRT; ++m)
       for (int i = 0; i < NV * CB; ++i) out[m][i] = 0.f;

@@ -2,8 +2,11 @@
 // projections' arguments and their tasks. Included by decode_stack.cpp only.
 //
 // Contract: a Proj is one packed projection (float32 [tiles * 2, K, 16], or int8 with scales, as
-// linear_tiles.h computes them); a Pass holds the call's shapes, per-row buffers, layers and exit
-// checks; a Phase is one step of the walk (a layer's or a check's), whose tasks the threads claim.
+// linear_tiles.h computes them); a Layer is one decoder layer of either architecture (Llama, or
+// Gemma 3 with its q/k norms, output norms and local flag); a Pass holds the call's shapes,
+// per-row buffers, the rows' contexts (global, and the local layers' windowed ones), layers and
+// exit checks; a Phase is one step of the walk (a layer's or a check's), whose tasks the threads
+// claim.
 
 #pragma once
 
@@ -20,7 +23,12 @@ namespace eeserve_stack {
 
 using eeserve_linear::CHUNK;
 using eeserve_linear::TILE;
-constexpr int64_t PER_LAYER = 11;  // tensors per layer in `weights`
+// The layer types of a call and their tensors per layer in `weights`: Llama's (norm1, norm2,
+// qkv_w, qkv_s, qkv_b, o_w, o_s, gate_up_w, gate_up_s, down_w, down_s) and Gemma 3's (in_norm,
+// attn_out_norm, mlp_in_norm, mlp_out_norm, q_norm, k_norm, qkv_w, qkv_s, o_w, o_s, gate_up_w,
+// gate_up_s, down_w, down_s).
+enum class Arch { Llama = 0, Gemma3 = 1 };
+inline int64_t per_layer(Arch a) { return a == Arch::Llama ? 11 : 14; }
 
 // One projection: float32 ([tiles * 2, K, 16]) or int8 ([tiles * 2, Kp / 2, 16, 2] with scales).
 struct Proj {
@@ -31,11 +39,26 @@ struct Proj {
 };
 
 struct Layer {
-  const float* norm1;
-  const float* norm2;
+  const float* norm1;  // the attention's input norm
+  const float* norm2;  // the MLP's input norm
   Proj qkv, o, gate_up, down;
   float* kc;  // [slots, Hkv, hd]
   float* vc;
+  // Gemma 3 (nullptr for Llama): per-head q/k norms [hd], the attention's and MLP's output norms.
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  const float* attn_out_norm = nullptr;
+  const float* mlp_out_norm = nullptr;
+  bool local = false;  // a sliding-window layer: the local rotary tables and windowed contexts
+};
+
+// How the rows attend in a layer: row r over slots[r, :lens[r]], in attention tasks
+// [first[r], first[r + 1]). A pass has one for global layers and one for local layers.
+struct Context {
+  const float *cos = nullptr, *sin = nullptr;  // [R, hd] the rotary tables
+  const int64_t *slots = nullptr, *lens = nullptr;
+  int64_t T = 0;
+  std::vector<int64_t> first;
 };
 
 // An exit check after a layer of the pass: its measure's confidence per row (decode_stack_checked).
@@ -65,7 +88,7 @@ struct Phase {
 
 // Per-call buffers (rows of the pass) and shapes.
 struct Pass {
-  int64_t R, D, H, Hkv, hd, I, T, tile_tasks_div;
+  int64_t R, D, H, Hkv, hd, I, tile_tasks_div;
   float eps, scale;
   const float* h;  // [R, D] input
   float* hout;     // [R, D] residual stream between layers, then the output
@@ -78,9 +101,9 @@ struct Pass {
   float* mid;      // [R, D]
   float* proj;     // [R, max(D, 2 I)] a projection's output
   float* part;     // [attention tasks, H, hd + 2]
-  const float *cos, *sin;
-  const int64_t *slot_mapping, *row_slots, *row_lens;
-  std::vector<int64_t> first;  // row r's attention tasks: [first[r], first[r + 1])
+  const int64_t* slot_mapping;
+  Arch arch = Arch::Llama;
+  Context global, local;  // local: the local layers' (Gemma 3; unused by Llama)
   std::vector<Layer> layers;
   std::vector<Check> checks;
   Measure measure = Measure::Classifier;
@@ -142,57 +165,85 @@ inline int64_t project_tasks(const Pass& ps, const Proj& p) {
   return (p.tiles + per - 1) / per;
 }
 
-inline std::vector<Layer> read_layers(const c10::List<c10::optional<at::Tensor>>& weights, const at::Tensor& k_pool,
-                               const at::Tensor& v_pool, int64_t first_layer, int64_t D, int64_t H,
-                               int64_t Hkv, int64_t hd, int64_t I) {
-  const int64_t L = static_cast<int64_t>(weights.size()) / PER_LAYER;
-  TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == L * PER_LAYER,
-              "decode_stack: weights hold 11 tensors per layer");
+inline const float* norm_arg(const c10::optional<at::Tensor>& w, int64_t n) {
+  TORCH_CHECK(w.has_value() && w->numel() == n && w->scalar_type() == at::kFloat && w->is_contiguous(),
+              "decode_stack: norm weights [", n, "] float32");
+  return w->data_ptr<float>();
+}
+
+// The call's layers from `weights` (per_layer(arch) tensors each); local[l]: layer l of the call
+// is a sliding-window layer (Gemma 3; empty for Llama).
+inline std::vector<Layer> read_layers(const c10::List<c10::optional<at::Tensor>>& weights, Arch arch,
+                                      at::IntArrayRef local, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                      int64_t first_layer, int64_t D, int64_t H, int64_t Hkv, int64_t hd, int64_t I) {
+  const int64_t n = per_layer(arch), L = static_cast<int64_t>(weights.size()) / n;
+  TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == L * n, "decode_stack: weights hold ", n,
+              " tensors per layer");
   TORCH_CHECK(first_layer >= 0 && first_layer + L <= k_pool.size(0), "decode_stack: layers past the pool");
+  TORCH_CHECK(arch == Arch::Gemma3 ? static_cast<int64_t>(local.size()) == L : local.empty(),
+              "decode_stack: one local flag per Gemma 3 layer, none for Llama");
   const int64_t layer_elems = k_pool.size(1) * Hkv * hd;
   std::vector<Layer> layers;
   for (int64_t l = 0; l < L; ++l) {
-    auto arg = [&](int64_t j) { return c10::optional<at::Tensor>(weights.get(l * PER_LAYER + j)); };
-    const auto n1 = arg(0), n2 = arg(1);
-    TORCH_CHECK(n1.has_value() && n2.has_value() && n1->numel() == D && n2->numel() == D &&
-                    n1->scalar_type() == at::kFloat && n1->is_contiguous() && n2->is_contiguous(),
-                "decode_stack: norm weights [D] float32");
-    Layer y{n1->data_ptr<float>(), n2->data_ptr<float>(),
-            make_proj(arg(2), arg(3), arg(4), (H + 2 * Hkv) * hd, D), make_proj(arg(5), arg(6), {}, D, H * hd),
-            make_proj(arg(7), arg(8), {}, 2 * I, D), make_proj(arg(9), arg(10), {}, D, I),
-            k_pool.data_ptr<float>() + (first_layer + l) * layer_elems,
-            v_pool.data_ptr<float>() + (first_layer + l) * layer_elems};
+    auto arg = [&](int64_t j) { return c10::optional<at::Tensor>(weights.get(l * n + j)); };
+    float* kc = k_pool.data_ptr<float>() + (first_layer + l) * layer_elems;
+    float* vc = v_pool.data_ptr<float>() + (first_layer + l) * layer_elems;
+    if (arch == Arch::Llama) {
+      layers.push_back(Layer{norm_arg(arg(0), D), norm_arg(arg(1), D),
+                             make_proj(arg(2), arg(3), arg(4), (H + 2 * Hkv) * hd, D),
+                             make_proj(arg(5), arg(6), {}, D, H * hd), make_proj(arg(7), arg(8), {}, 2 * I, D),
+                             make_proj(arg(9), arg(10), {}, D, I), kc, vc});
+      continue;
+    }
+    Layer y{norm_arg(arg(0), D), norm_arg(arg(2), D),
+            make_proj(arg(6), arg(7), {}, (H + 2 * Hkv) * hd, D), make_proj(arg(8), arg(9), {}, D, H * hd),
+            make_proj(arg(10), arg(11), {}, 2 * I, D), make_proj(arg(12), arg(13), {}, D, I), kc, vc};
+    y.attn_out_norm = norm_arg(arg(1), D), y.mlp_out_norm = norm_arg(arg(3), D);
+    y.q_norm = norm_arg(arg(4), hd), y.k_norm = norm_arg(arg(5), hd);
+    y.local = local[l] != 0;
     layers.push_back(y);
   }
   return layers;
 }
 
-inline void check_rows(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
-                const at::Tensor& v_pool, const at::Tensor& slot_mapping, const at::Tensor& row_slots,
-                const at::Tensor& row_lens, int64_t H, int64_t Hkv) {
+inline void check_rows(const at::Tensor& h, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                       const at::Tensor& slot_mapping, int64_t H, int64_t Hkv) {
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "decode_stack: h [R, D] float32");
-  const int64_t R = h.size(0);
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
                   v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat,
               "decode_stack: K/V pools [layers, slots, Hkv, hd] float32, contiguous");
-  const int64_t hd = k_pool.size(3);
-  TORCH_CHECK(k_pool.size(2) == Hkv && H % Hkv == 0 && hd % 2 == 0, "decode_stack: head shapes do not match");
+  TORCH_CHECK(k_pool.size(2) == Hkv && H % Hkv == 0 && k_pool.size(3) % 2 == 0,
+              "decode_stack: head shapes do not match");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == h.size(0),
+              "decode_stack: slot_mapping, one contiguous int64 per row");
+  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+  for (int64_t r = 0; r < h.size(0); ++r)
+    TORCH_CHECK(sm[r] >= 0 && sm[r] < k_pool.size(1), "decode_stack: slot ", sm[r], " outside the pool");
+}
+
+// The rows' context (rotary tables [R, hd], slot rows [R, T], lengths [R]) after checking it,
+// with each row's attention tasks of KSPLIT positions.
+inline Context read_context(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& row_slots,
+                            const at::Tensor& row_lens, int64_t R, int64_t hd, int64_t ksplit) {
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == R && cos.size(1) == hd &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
                   sin.scalar_type() == at::kFloat,
               "decode_stack: cos/sin [R, hd] float32");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && row_slots.scalar_type() == at::kLong &&
-                  row_lens.scalar_type() == at::kLong && slot_mapping.is_contiguous() && row_slots.is_contiguous() &&
-                  row_lens.is_contiguous(),
-              "decode_stack: slot_mapping, row_slots and row_lens must be contiguous int64");
-  TORCH_CHECK(slot_mapping.numel() == R && row_slots.dim() == 2 && row_slots.size(0) == R && row_lens.numel() == R,
-              "decode_stack: one slot, slot row and length per row");
-  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
-  const int64_t* ln = row_lens.data_ptr<int64_t>();
+  TORCH_CHECK(row_slots.scalar_type() == at::kLong && row_lens.scalar_type() == at::kLong &&
+                  row_slots.is_contiguous() && row_lens.is_contiguous(),
+              "decode_stack: row_slots and row_lens must be contiguous int64");
+  TORCH_CHECK(row_slots.dim() == 2 && row_slots.size(0) == R && row_lens.numel() == R,
+              "decode_stack: one slot row and length per row");
+  Context c;
+  c.cos = cos.data_ptr<float>(), c.sin = sin.data_ptr<float>();
+  c.slots = row_slots.data_ptr<int64_t>(), c.lens = row_lens.data_ptr<int64_t>(), c.T = row_slots.size(1);
+  c.first.assign(R + 1, 0);
   for (int64_t r = 0; r < R; ++r) {
-    TORCH_CHECK(sm[r] >= 0 && sm[r] < k_pool.size(1), "decode_stack: slot ", sm[r], " outside the pool");
-    TORCH_CHECK(ln[r] >= 1 && ln[r] <= row_slots.size(1), "decode_stack: row length ", ln[r], " outside [1, T]");
+    TORCH_CHECK(c.lens[r] >= 1 && c.lens[r] <= c.T, "decode_stack: row length ", c.lens[r], " outside [1, T]");
+    c.first[r + 1] = c.first[r] + (c.lens[r] + ksplit - 1) / ksplit;
   }
+  return c;
 }
 
 }  // namespace eeserve_stack
