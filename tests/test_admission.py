@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -257,6 +258,9 @@ def test_over_the_limits_is_429_with_retry_after(server: Server) -> None:
     assert m['eeserve_requests_total{endpoint="/v1/completions",status="overloaded"}'] == 2
     assert m['eeserve_admission_limit{limit="queued_tokens"}'] == 300
     assert m[waiting] == m["eeserve_admission_queued_tokens"] == 0
+    # Each 429 timed from arrival to headers; nothing else (200s, the metrics page) is counted.
+    assert m["eeserve_rejection_seconds_count"] == 3
+    assert 0 < m["eeserve_rejection_seconds_sum"] < 3 * 120
 
 
 @pytest.mark.slow
@@ -371,6 +375,26 @@ def test_soak_client_says_who_turned_a_request_away(body: str, by: str) -> None:
     assert out.reject_latency is not None and out.reject_latency >= 0
 
 
+def test_server_reject_ms_reads_the_buckets_between_two_samples() -> None:
+    from eeserve.bench.soak_load import Sample
+    from eeserve.bench.soak_report import server_reject_ms
+
+    def at(t: float, buckets: dict[float, float]) -> Sample:
+        return Sample(t, None, None, None, None, None, None, buckets)
+
+    inf = float("inf")
+    samples = [
+        at(0.0, {0.01: 5, 0.1: 5, inf: 5}),  # before the window: 5 fast 429s
+        at(5.0, {0.01: 50, 0.1: 95, inf: 105}),
+        at(9.0, {0.01: 55, 0.1: 104, inf: 105}),  # in the window: 50 / 49 / 1 by bucket
+        at(12.0, {0.01: 500, 0.1: 500, inf: 500}),  # after it
+    ]
+    assert server_reject_ms(samples, 1.0, 10.0) == {"p50": 10.0, "p99": 100.0}
+    assert server_reject_ms(samples, 1.0, 6.0)["p99"] == inf  # 10 of 100 above the last bound
+    nothing = server_reject_ms(samples, 20.0, 30.0)
+    assert math.isnan(nothing["p50"]) and math.isnan(nothing["p99"])
+
+
 @pytest.mark.slow
 def test_soak_smoke(server: Server, tmp_path: Path) -> None:
     """``eeserve bench soak`` against the one-slot server: every request is accounted for
@@ -397,6 +421,8 @@ def test_soak_smoke(server: Server, tmp_path: Path) -> None:
         assert s["kv_blocks_used_after_drain"] == 0 and s["rejected_by_proxy"] == 0
         assert 0 <= s["client_lag_ms"]["p99"] <= s["client_lag_ms"]["max"]
     assert sum(s["rejected"] for s in result["summaries"]) > 0  # one slot: overloaded
+    for s in result["summaries"]:  # the server's own timing of its 429s, where there were any
+        assert (s["rejected"] > 0) == (s["server_reject_ms"]["p99"] > 0), s
     rows = result["intervals"]
     assert sum(r["requests"] for r in rows) == sum(s["requests"] for s in result["summaries"])
     assert all(r["rss_server_mib"] for r in rows if r["t_s"] < result["phases"][-1]["end"])

@@ -267,7 +267,7 @@ def format_summaries(result: dict[str, Any]) -> str:
     head = (
         f"{'load':>5} {'req/s':>6} {'sent':>5} {'done':>5} {'429':>5} {'dline':>5} "
         f"{'disc':>5} {'fail':>4} {'hung':>4} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} "
-        f"{'429 p99':>7} {'idle KV':>7} {'lag p99':>7}"
+        f"{'429 p99':>7} {'srv<=':>6} {'idle KV':>7} {'lag p99':>7}"
     )
     lines = [f"capacity {result['capacity']['requests_per_s']:.3f} requests/s", head]
     for s in result["summaries"]:
@@ -276,7 +276,8 @@ def format_summaries(result: dict[str, Any]) -> str:
             f"{s['load']:>5g} {s['rate_per_s']:>6.2f} {s['requests']:>5} {s['completed']:>5} "
             f"{s['rejected']:>5} {s['deadline']:>5} {s['disconnected']:>5} {s['failed']:>4} "
             f"{s['hung']:>4} {t['p50']:>8.0f}/{t['p99']:<8.0f} {i['p50']:>7.1f}/{i['p99']:<7.1f} "
-            f"{s['reject_ms']['p99']:>7.1f} {s['kv_blocks_used_after_drain']!s:>7} "
+            f"{s['reject_ms']['p99']:>7.1f} {s['server_reject_ms']['p99']:>6g} "
+            f"{s['kv_blocks_used_after_drain']!s:>7} "
             f"{s['client_lag_ms']['p99']:>7.1f}"
         )
     lines.append("checks: " + json.dumps(result["checks"]))

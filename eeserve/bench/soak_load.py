@@ -10,8 +10,10 @@ answered it: the engine's admission control, whose body is an OpenAI error, or R
 starts requests at Poisson arrival times at a given rate for a given time and, once that time
 has passed, waits for them all; ``closed_loop`` keeps ``concurrency`` requests in flight for a
 given time (the capacity measurement). ``Sampler`` reads, every few seconds, the RSS of the
-server's process tree from ``/proc`` (in a worker thread, off the event loop) and the KV-block
-and queue gauges from ``/metrics`` (summed over replicas). ``renice`` lowers the priority of
+server's process tree from ``/proc`` (in a worker thread, off the event loop), the KV-block
+and queue gauges from ``/metrics`` (summed over replicas) and the server's own histogram of how
+long its 429s took (``eeserve_rejection_seconds``, cumulative counts by bucket, summed over
+replicas: ``read_histogram``). ``renice`` lowers the priority of
 every thread of a process. ``LoopLag`` records how late the
 client's own event loop wakes from a short sleep: every latency the client measures includes
 that lag, so the records carry it beside them. Times are ``time.perf_counter()`` seconds since
@@ -33,6 +35,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 STATUSES = ("completed", "rejected", "deadline", "disconnected", "failed", "hung")
+REJECTION_HISTOGRAM = "eeserve_rejection_seconds"  # server.metrics: 429s, arrival to headers
 
 
 @dataclass
@@ -223,6 +226,8 @@ class Sample:
     kv_blocks_used: float | None
     running: float | None
     waiting: float | None
+    # eeserve_rejection_seconds: cumulative count by upper bound (s), summed over replicas
+    reject_buckets: dict[float, float] = field(default_factory=dict)
 
     @property
     def idle(self) -> bool:
@@ -241,6 +246,19 @@ def read_gauges(text: str) -> tuple[dict[str, float], list[int]]:
             else:  # replicas label every sample with its replica
                 sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
     return sums, pids
+
+
+def read_histogram(text: str, name: str) -> dict[float, float]:
+    """A histogram's cumulative bucket counts by upper bound (``le``), summed over replicas."""
+    out: dict[float, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name != name:
+            continue
+        for s in fam.samples:
+            if s.name == f"{name}_bucket":
+                le = float(s.labels["le"])
+                out[le] = out.get(le, 0.0) + float(s.value)
+    return out
 
 
 def read_limits(text: str) -> dict[str, float]:
@@ -305,9 +323,11 @@ class Sampler:
     async def sample(self) -> Sample:
         gauges: dict[str, float] = {}
         pids: list[int] = []
+        rejects: dict[float, float] = {}
         try:
             r = await self.client.get("/metrics", timeout=30)
             gauges, pids = read_gauges(r.text)
+            rejects = read_histogram(r.text, REJECTION_HISTOGRAM)
         except httpx.HTTPError:
             pass
         # A scan of /proc takes tens of ms with a Ray cluster's processes: a thread's job, not
@@ -321,6 +341,7 @@ class Sampler:
             gauges.get("eeserve_kv_blocks_used"),
             gauges.get("eeserve_num_requests_running"),
             gauges.get("eeserve_num_requests_waiting"),
+            rejects,
         )
         self.samples.append(s)
         return s

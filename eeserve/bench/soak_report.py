@@ -1,16 +1,18 @@
 """The soak benchmark's figures: per-interval records, per-load summaries and the pass checks.
 
-Contract: ``intervals(outcomes, samples, phases, width)`` cuts the run, from the first load
-level on, into ``width``-second intervals (a minute by default) and gives, per interval, the
-requests that ended in it by status, TTFT and inter-token p50/p99 (ms, streamed requests that
-completed), the 429s' answer latency, the last RSS sample (MiB: the server process, its
-replicas, its whole process tree), the KV blocks in use and the most found in use while the
-server was idle. ``summarize_phase`` gives the same over one load level, the RSS growth after
-warm-up and the KV blocks in use once it drained. ``checks(summaries, server_up)`` compares
-them with the targets: at 2x capacity every request answered (completed, 429, deadline or a
-planned disconnect), the p99 TTFT of accepted requests within 3x of its value at 1x and 429s
-answered in under 100 ms at p99; at 1x, RSS growth after warm-up <= 5%, no KV block in use
-while idle, and no outcome but completed or a planned disconnect.
+Contract: ``intervals(outcomes, samples, phases, width)`` cuts the run, from the first load level
+on, into ``width``-second intervals (a minute by default) and gives, per interval, the requests
+that ended in it by status, TTFT and inter-token p50/p99 (ms, streamed requests that completed),
+the 429s' answer latency as the client saw it and as the server timed it (``server_reject_ms``: the
+upper bound of the server histogram's bucket that holds p50 / p99, over the 429s answered between
+the samples around the interval), the last RSS sample (MiB: the server process, its replicas, its
+whole process tree), the KV blocks in use and the most found in use while the server was idle.
+``summarize_phase`` gives the same over one load level, the RSS growth after warm-up and the KV
+blocks in use once it drained. ``checks(summaries, server_up)`` compares them with the targets: at
+2x capacity every request answered (completed, 429, deadline or a planned disconnect), the p99 TTFT
+of accepted requests within 3x of its value at 1x and 429s answered in under 100 ms at p99; at 1x,
+RSS growth after warm-up <= 5%, no KV block in use while idle, and no outcome but completed or a
+planned disconnect.
 """
 
 from __future__ import annotations
@@ -54,6 +56,24 @@ def _latency(outs: list[Outcome]) -> dict[str, Any]:
     }
 
 
+def server_reject_ms(samples: list[Sample], lo: float, hi: float) -> dict[str, float]:
+    """p50 / p99 of the server-timed 429s answered between run seconds ``lo`` and ``hi``, as the
+    upper bound (ms) of the bucket that holds each (``inf`` above the last bucket; NaN: none)."""
+    before = [s.reject_buckets for s in samples if s.t < lo and s.reject_buckets]
+    inside = [s.reject_buckets for s in samples if lo <= s.t < hi and s.reject_buckets]
+    out = {"p50": math.nan, "p99": math.nan}
+    if not inside:
+        return out
+    base, end = (before[-1] if before else {}), inside[-1]
+    counts = sorted((le, n - base.get(le, 0.0)) for le, n in end.items())
+    total = counts[-1][1] if counts else 0.0
+    if total <= 0:
+        return out
+    for key, q in (("p50", 0.50), ("p99", 0.99)):
+        out[key] = next(le for le, n in counts if n >= q * total) * 1000
+    return out
+
+
 def client_lag(lags: list[tuple[float, float]], lo: float, hi: float) -> dict[str, float]:
     """p99 and most of the client's loop lag between run seconds ``lo`` and ``hi``, in ms."""
     xs = [lag for t, lag in lags if lo <= t < hi]
@@ -92,6 +112,7 @@ def intervals(
                 "rss_tree_mib": _last(smp, "rss_tree_mib"),
                 "kv_blocks_used_max": max(used) if used else None,
                 "kv_blocks_used_idle_max": max(idle) if idle else None,
+                "server_reject_ms": server_reject_ms(samples, lo, hi),
                 "client_lag_ms": client_lag(lags, lo, hi),
             }
         )
@@ -124,9 +145,16 @@ def summarize_phase(
         "kv_blocks_used_idle_max": max(idle) if idle else None,
         "kv_blocks_used_after_drain": phase.idle_kv_blocks,
         "drain_s": phase.drained_at - phase.end,
+        "server_reject_ms": server_reject_ms(samples, phase.start, _drained(phase)),
         "client_lag_ms": client_lag(lags, phase.start, phase.end),
         "errors": _errors(outs),
     }
+
+
+def _drained(phase: Phase) -> float:
+    """Just past the sample that found the server idle after ``phase`` (its end if none did)."""
+    last = phase.end if math.isnan(phase.drained_at) else phase.drained_at
+    return math.nextafter(last, math.inf)
 
 
 def _errors(outs: list[Outcome], most: int = 8) -> dict[str, int]:
@@ -158,6 +186,7 @@ def checks(summaries: list[dict[str, Any]], server_up: bool) -> dict[str, Any]:
         p99 = two["reject_ms"]["p99"]
         out["2x_reject_p99_ms"] = p99
         out["2x_client_lag_p99_ms"] = two["client_lag_ms"]["p99"]
+        out["2x_server_reject_p99_ms_at_most"] = two["server_reject_ms"]["p99"]
         out["2x_reject_p99_under_100ms"] = None if math.isnan(p99) else p99 < REJECT_P99_MS
     if one is not None:
         growth = [

@@ -12,7 +12,8 @@ files needs ``Authorization: Bearer <api_key>`` (401 otherwise). Every error, in
 malformed JSON, a missing field, a wrong type and an out-of-range value, is answered with
 ``{"error": {"message", "type", "param", "code"}}``; validation problems are 400s whose
 ``param`` names the field. ``limits`` (``admission.ServingLimits``) bounds the waiting work
-(429 with ``Retry-After`` beyond it) and sets the server-wide time limit of a request.
+(429 with ``Retry-After`` beyond it; ``RejectionTimer`` times each 429 from the request's arrival)
+and sets the server-wide time limit of a request.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 import copy
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -29,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from eeserve import __version__
 from eeserve.engine.llm_engine import LLMEngine
@@ -111,6 +113,7 @@ def create_app(
     _add_routes(app, ctx, metrics_view)
     if ui:
         add_ui_routes(app)
+    app.add_middleware(RejectionTimer, metrics=metrics)  # added last: outermost, sees arrival
     return app
 
 
@@ -250,3 +253,25 @@ class BearerAuth:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class RejectionTimer:
+    """Pure ASGI middleware: times each generation request's 429 from its arrival at the app
+    (before auth, body parsing and tokenization) to its response headers."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.histogram = metrics.rejection_seconds
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+
+        async def timed_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 429:
+                self.histogram.observe(time.perf_counter() - t0)
+            await send(message)
+
+        await self.app(scope, receive, timed_send)

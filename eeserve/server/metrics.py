@@ -6,8 +6,10 @@ latencies, exit layers and the gauges; the HTTP layer records requests by endpoi
 (``success``, ``aborted`` (client went away), ``rejected`` (4xx other than 429), ``overloaded``
 (429: beyond the admission limits; also counted by limit in ``eeserve_admission_rejected``),
 ``timeout`` (the request's time limit passed), ``error`` (5xx or a request the engine could not
-finish)). ``track_admission(admission)`` exposes admission control's waiting requests, their
-tokens and its limits as gauges.
+finish)), and how long a 429 took to answer (``eeserve_rejection_seconds``: from the request's
+arrival at the app to its response headers, recorded by ``app.RejectionTimer``: what a load
+balancer waits for a refusal inside this process). ``track_admission(admission)`` exposes
+admission control's waiting requests, their tokens and its limits as gauges.
 """
 
 from __future__ import annotations
@@ -123,6 +125,12 @@ class ServerMetrics:
             "eeserve_admission_limit",
             "Admission limits: waiting_requests and queued_tokens",
             ["limit"],
+            registry=r,
+        )
+        self.rejection_seconds = Histogram(
+            "eeserve_rejection_seconds",
+            "Time from a generation request's arrival at the app to its 429 response headers",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         for limit in LIMITS:
