@@ -28,7 +28,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -71,6 +71,28 @@ inline void scores_tile(const float* Qt, int64_t QVp, const float* const* krow, 
   }
   for (int k = 0; k < KT; ++k)
     for (int i = 0; i < NQ; ++i) _mm512_storeu_ps(St + (t0 + k) * QVp + qc + 16 * i, acc[k][i]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // AVX2's 16 registers: 4 keys x 16 query vectors (two halves of 8) at a time.
+  for (int i = 0; i < NQ; ++i)
+    for (int kg = 0; kg < KT; kg += 4) {
+      __m256 acc[4][2];
+      for (int k = 0; k < 4; ++k) acc[k][0] = acc[k][1] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; ++d) {
+        const float* qd = Qt + d * QVp + qc + 16 * i;
+        const __m256 lo = _mm256_loadu_ps(qd), hi = _mm256_loadu_ps(qd + 8);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+          const __m256 kb = _mm256_broadcast_ss(krow[t0 + kg + k] + d);
+          acc[k][0] = _mm256_fmadd_ps(kb, lo, acc[k][0]);
+          acc[k][1] = _mm256_fmadd_ps(kb, hi, acc[k][1]);
+        }
+      }
+      for (int k = 0; k < 4; ++k) {
+        float* dst = St + (t0 + kg + k) * QVp + qc + 16 * i;
+        _mm256_storeu_ps(dst, acc[k][0]);
+        _mm256_storeu_ps(dst + 8, acc[k][1]);
+      }
+    }
 #else
   for (int k = 0; k < KT; ++k)
     for (int64_t j = 0; j < NQ * 16; ++j) {
@@ -111,6 +133,25 @@ inline void values_tile(const float* St, int64_t QVp, const float* const* vrow, 
   }
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < DV; ++i) _mm512_storeu_ps(acc + (r0 + r) * D + 16 * i, o[r][i]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // AVX2's 16 registers: 64 dims of R rows at a time (8 halves of 8 lanes per row).
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    constexpr int W = DV * 2 < 8 ? DV * 2 : 8;  // halves of 8 in this 64-dim slice
+    __m256 o[R][W];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < W; ++j) o[r][j] = _mm256_loadu_ps(acc + (r0 + r) * D + d0 + 8 * j);
+    for (int64_t t = 0; t < kn; ++t) {
+      __m256 p[R];
+      for (int r = 0; r < R; ++r) p[r] = _mm256_broadcast_ss(St + t * QVp + r0 + r);
+#pragma GCC unroll 8
+      for (int j = 0; j < W; ++j) {
+        const __m256 v = _mm256_loadu_ps(vrow[t] + d0 + 8 * j);
+        for (int r = 0; r < R; ++r) o[r][j] = _mm256_fmadd_ps(p[r], v, o[r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < W; ++j) _mm256_storeu_ps(acc + (r0 + r) * D + d0 + 8 * j, o[r][j]);
+  }
 #else
   for (int64_t t = 0; t < kn; ++t)
     for (int r = 0; r < R; ++r)
@@ -123,7 +164,11 @@ template <int DV>
 inline void block_values(const float* St, int64_t QVp, const float* const* vrow, int64_t kn,
                          float* acc, int64_t QV, int64_t D) {
   if constexpr (DV > 0) {
+#if defined(__AVX512F__)
     constexpr int R = 24 / DV;  // accumulators: R * DV of the 32 vector registers
+#else
+    constexpr int R = 1;  // AVX2: one row's 64-dim slice is 8 of the 16 registers
+#endif
     int64_t r = 0;
     for (; r + R <= QV; r += R) values_tile<DV, R>(St, QVp, vrow, kn, r, acc);
     for (; r < QV; ++r) values_tile<DV, 1>(St, QVp, vrow, kn, r, acc);
