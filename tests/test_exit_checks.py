@@ -13,7 +13,7 @@ import torch
 from eeserve import SamplingParams
 from eeserve.exit_params import ExitParams
 from eeserve.models.loader import load_model
-from tests.test_gemma3 import build_tiny_gemma3
+from tests.tiny_gemma3 import build_tiny_gemma3
 from tests.tiny_model import make_llm, with_random_tuned_heads
 
 LAYERS = [1, 2, 3]

@@ -29,3 +29,11 @@ def test_serve_freezes_the_startup_heap(
     finally:
         gc.unfreeze()
     assert len(frozen) == 1 and frozen[0] > 10_000
+
+
+def test_replicas_log_like_the_single_process() -> None:
+    """A line per request only at debug (uvicorn's access log there; Ray's here)."""
+    from eeserve.server.replicas import replica_logging
+
+    assert replica_logging("info") == {"log_level": "INFO", "enable_access_log": False}
+    assert replica_logging("debug") == {"log_level": "DEBUG", "enable_access_log": True}

@@ -8,7 +8,8 @@ early-exit fields; its startup heap frozen out of the garbage collector, as the 
 does), serves it on ``--host:--port`` through Ray Serve's proxy, which routes each
 request to a replica, and blocks until SIGINT/SIGTERM. Ray Serve health-checks replicas (an
 engine thread that stopped fails the check) and restarts any that die; requests in flight on a
-dead replica end with a 5xx. ``/metrics`` shows every live replica's metrics, labelled
+dead replica end with a 5xx. Replicas log at ``--log-level``, a line per request only at
+``debug`` (``replica_logging``). ``/metrics`` shows every live replica's metrics, labelled
 ``replica``, plus ``eeserve_replica_info{replica, pid}``. On a signal the app is deleted, which
 lets in-flight requests finish for up to ``--shutdown-timeout`` seconds, and a cluster started
 here is shut down. ``launch_replicas`` deploys on an already connected Ray (tests, scripts).
@@ -95,6 +96,7 @@ class ReplicaOptions:
     threads: int = 1
     shutdown_timeout: float = 30.0
     limits: ServingLimits = dataclasses.field(default_factory=ServingLimits)
+    log_level: str = "info"  # the replicas' logging; a line per request only at "debug"
 
 
 class EngineReplica:
@@ -178,6 +180,7 @@ def launch_replicas(opts: ReplicaOptions, host: str, port: int) -> Deployed:
         num_replicas=opts.replicas,
         ray_actor_options={"num_cpus": opts.threads},
         **limits,
+        logging_config=replica_logging(opts.log_level),
         health_check_period_s=2,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=opts.shutdown_timeout,
@@ -185,6 +188,13 @@ def launch_replicas(opts: ReplicaOptions, host: str, port: int) -> Deployed:
     )
     app = serve.run(deployment.bind(opts), name=APP_NAME, route_prefix="/", blocking=False)
     return Deployed(app, hub)
+
+
+def replica_logging(level: str) -> dict[str, Any]:
+    """Ray Serve's logging of each replica, as the single process logs: at ``level``, with a line
+    per request (Ray's access log, which every replica also forwards to the driver) only at
+    ``debug``, as uvicorn's access log."""
+    return {"log_level": level.upper(), "enable_access_log": level == "debug"}
 
 
 def ray_limits(opts: ReplicaOptions) -> dict[str, Any]:
@@ -216,6 +226,7 @@ def run_replicas(args: argparse.Namespace, limits: ServingLimits) -> int:
         threads=args.threads_per_replica,
         shutdown_timeout=args.shutdown_timeout,
         limits=limits,
+        log_level=args.log_level,
     )
     init_ray(ray, args.ray_address)
     stop = threading.Event()
