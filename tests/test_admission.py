@@ -103,9 +103,13 @@ def test_limits_default_to_the_engine_and_reject_nonsense(tiny_model_dir: Path) 
     for t in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="request_timeout"):
             ServingLimits(request_timeout=t)
+    for n in (-1, 20):
+        with pytest.raises(ValueError, match="engine_nice"):
+            ServingLimits(engine_nice=n)
     # The command line refuses them before loading anything.
     assert main([str(tiny_model_dir), "--max-waiting-requests", "0"]) == 2
     assert main([str(tiny_model_dir), "--request-timeout", "-3"]) == 2
+    assert main([str(tiny_model_dir), "--engine-nice", "20"]) == 2
 
 
 # -- the engine loop in-process ------------------------------------------------------------------
@@ -135,6 +139,26 @@ def test_deadline_aborts_and_frees_blocks(tiny_model_dir: Path) -> None:
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.has_unfinished_requests()
     assert loop.admission.waiting_requests == loop.admission.queued_tokens == 0
+
+
+def test_engine_thread_runs_nicer_than_the_event_loop(tiny_model_dir: Path) -> None:
+    """``--engine-nice``: the engine's worker thread lowers its own priority, the loop's stays."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=KV_BYTES))
+    loop = EngineLoop(engine, ServerMetrics(engine.model_config.num_layers), nice=3)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    async def run() -> int:
+        loop.start(asyncio.get_running_loop())
+        params = SamplingParams(max_tokens=2, temperature=0)
+        gen = await loop.add([ChoiceSpec(None, [1, 2], params)], None)  # the worker has run
+        _ = [out async for _, out in gen.stream()]
+        assert loop._thread is not None and loop._thread.native_id is not None
+        nice = os.getpriority(os.PRIO_PROCESS, loop._thread.native_id)
+        loop.stop()
+        return nice
+
+    assert asyncio.run(run()) == min(19, base + 3)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base
 
 
 def test_server_request_timeout_flag(tiny_model_dir: Path) -> None:

@@ -41,6 +41,9 @@ class ServingLimits:
     max_waiting_requests: int | None = None
     max_queued_tokens: int | None = None
     request_timeout: float | None = None  # seconds; None: no server-wide time limit
+    # The engine thread runs this much nicer than the HTTP threads (0: as nice), so that under
+    # load the event loop, and with replicas Ray's plumbing, still get a core for quick answers.
+    engine_nice: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_queued_tokens"):
@@ -50,6 +53,8 @@ class ServingLimits:
         t = self.request_timeout
         if t is not None and not (t > 0 and math.isfinite(t)):
             raise ValueError(f"request_timeout must be a positive number of seconds, got {t}")
+        if not 0 <= self.engine_nice <= 19:
+            raise ValueError(f"engine_nice must be in [0, 19], got {self.engine_nice}")
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def create_app(
     limits = limits or ServingLimits()
     num_layers = engine.model_config.num_layers
     metrics = ServerMetrics(num_layers)
-    engine_loop = EngineLoop(engine, metrics, resolve_limits(limits, engine))
+    engine_loop = EngineLoop(engine, metrics, resolve_limits(limits, engine), limits.engine_nice)
     metrics.track_admission(engine_loop.admission)
     tokenizer = copy.deepcopy(engine.tokenizer)
     info = ModelInfo(

@@ -1,7 +1,8 @@
 """One background thread that owns the engine and drives ``engine.step()`` while there is work.
 
 Contract:
-- ``EngineLoop(engine, metrics, limits)`` (``limits``: the engine's defaults when omitted) is
+- ``EngineLoop(engine, metrics, limits, nice)`` (``limits``: the engine's defaults when omitted;
+  ``nice``: how much nicer than its creator the worker thread runs, ``--engine-nice``) is
   started with ``start(loop)`` from inside the asyncio event loop that will consume its
   outputs. From then on every engine call (``add_request``, ``abort_request``, ``tokenize``,
   ``step``) happens on the loop's single worker thread; other threads only post commands to it
@@ -36,6 +37,7 @@ import asyncio
 import concurrent.futures
 import gc
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -116,9 +118,14 @@ class _Tracked:
 
 class EngineLoop:
     def __init__(
-        self, engine: LLMEngine, metrics: ServerMetrics, limits: AdmissionLimits | None = None
+        self,
+        engine: LLMEngine,
+        metrics: ServerMetrics,
+        limits: AdmissionLimits | None = None,
+        nice: int = 0,
     ) -> None:
         self.engine = engine
+        self.nice = nice  # the engine thread's niceness above its creator's
         self.metrics = metrics
         self.admission = Admission(limits or resolve_limits(ServingLimits(), engine))
         self.num_layers = engine.model_config.num_layers
@@ -206,6 +213,9 @@ class EngineLoop:
 
     def _run(self) -> None:
         message = "the server shut down before the request finished"
+        if self.nice:  # Linux: a thread's own niceness (PRIO_PROCESS with its thread id)
+            own = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, own, os.getpriority(os.PRIO_PROCESS, own) + self.nice)
         try:
             while not self._stopping:
                 self._wake.clear()

@@ -106,6 +106,13 @@ def _add_overload_args(o: argparse._ArgumentGroup) -> None:
         help="seconds a request may take before it is aborted with 504 (default: no limit; "
         "a request's `request_timeout` field may ask for less)",
     )
+    o.add_argument(
+        "--engine-nice",
+        type=int,
+        default=0,
+        help="run the engine thread N nicer than the HTTP threads (0-19; default 0), so that "
+        "429s, /health and streams are answered promptly while the engine keeps every core busy",
+    )
 
 
 def _add_replica_args(r: argparse._ArgumentGroup) -> None:
@@ -129,6 +136,7 @@ def serving_limits(args: argparse.Namespace) -> ServingLimits:
         max_waiting_requests=args.max_waiting_requests,
         max_queued_tokens=args.max_queued_tokens,
         request_timeout=args.request_timeout,
+        engine_nice=args.engine_nice,
     )
 
 
