@@ -175,6 +175,8 @@ class FusedDecoder:
             at = _EPS_INDEX[self.arch]
             self.eps = layers[0].weights[at]
             self._stack = [t for layer in layers for i, t in enumerate(layer.weights) if i != at]
+        # decode_stack's local_layers: a flag per Gemma 3 layer, none for Llama.
+        self._local_flags = [int(y.local) for y in layers] if self.arch == "gemma3" else []
         # Per-layer views of the KV pools, made once per pool (``_pool_views``).
         self._pools: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         # The last pass's rotary tables and their halves (``_rotary_tables``).
@@ -281,12 +283,11 @@ class FusedDecoder:
         n = STACK_TENSORS[self.arch]
         tables = self._rotary_tables(cos, sin)
         local = local_attn or attn
-        flags = [int(layer.local) for layer in self.layers[start:stop]]
         return [
             h.contiguous(), self._stack[start * n : stop * n], self.eps, *tables[False], k_pool,
             v_pool, start, attn.slot_mapping, attn.row_slots.contiguous(), attn.row_lens,
             self.num_heads, self.num_kv_heads, self.intermediate, self.scale,
-            STACK_ARCH[self.arch], flags if self.arch == "gemma3" else [],
+            STACK_ARCH[self.arch], self._local_flags[start:stop],
             *tables[True], local.row_slots.contiguous(), local.row_lens,
         ]  # fmt: skip
 

@@ -65,11 +65,9 @@ const Context& context(const Pass& ps, const Layer& L) { return L.local ? ps.loc
 void rope_row(const Pass& ps, const Layer& L, int64_t r) {
   const int64_t hd = ps.hd;
   float* row = ps.qkv + r * (ps.H + 2 * ps.Hkv) * hd;
-  if (L.q_norm != nullptr) {
-    for (int64_t i = 0; i < ps.H; ++i) eeserve_rows::rms_norm_row<float>(row + i * hd, L.q_norm, row + i * hd, hd, ps.eps);
-    for (int64_t i = ps.H; i < ps.H + ps.Hkv; ++i)
-      eeserve_rows::rms_norm_row<float>(row + i * hd, L.k_norm, row + i * hd, hd, ps.eps);
-  }
+  if (L.q_norm != nullptr)  // the query heads, then the key heads
+    for (int64_t i = 0; i < ps.H + ps.Hkv; ++i)
+      eeserve_rows::rms_norm_row<float>(row + i * hd, i < ps.H ? L.q_norm : L.k_norm, row + i * hd, hd, ps.eps);
   const Context& c = context(ps, L);
   eeserve_rows::rotate_heads<float>(row, c.cos + r * hd, c.sin + r * hd, ps.H + ps.Hkv, hd);
   const int64_t kv = ps.Hkv * hd, slot = ps.slot_mapping[r];
@@ -231,7 +229,7 @@ struct StackArgs {
   const at::Tensor &slot_mapping, &row_slots, &row_lens;
   int64_t num_heads, num_kv_heads, intermediate;
   double scale;
-  int64_t arch;
+  Arch arch;
   at::IntArrayRef local_layers;
   const c10::optional<at::Tensor>&local_cos, &local_sin, &local_slots, &local_lens;
 };
@@ -241,14 +239,13 @@ struct StackArgs {
 // pass. Kc: the checks' shortlist rows (0 without).
 at::Tensor run_stack(Pass& ps, const StackArgs& a, int64_t Kc) {
   const at::Tensor& h = a.h;
-  TORCH_CHECK(a.arch == 0 || a.arch == 1, "decode_stack: arch 0 (Llama) or 1 (Gemma 3)");
   check_rows(h, a.k_pool, a.v_pool, a.slot_mapping, a.num_heads, a.num_kv_heads);
   const int64_t R = h.size(0), D = h.size(1), H = a.num_heads, Hkv = a.num_kv_heads, hd = a.k_pool.size(3);
   const int64_t I = a.intermediate, Kmax = (std::max({D, H * hd, I}) + CHUNK - 1) / CHUNK * CHUNK;
   ps.R = R, ps.D = D, ps.H = H, ps.Hkv = Hkv, ps.hd = hd, ps.I = I;
   ps.tile_tasks_div = 4 * std::max<int64_t>(1, at::get_num_threads());
   ps.eps = static_cast<float>(a.eps), ps.scale = static_cast<float>(a.scale);
-  ps.arch = static_cast<Arch>(a.arch);
+  ps.arch = a.arch;
   ps.layers = read_layers(a.weights, ps.arch, a.local_layers, a.k_pool, a.v_pool, a.first_layer, D, H, Hkv, hd, I);
   ps.global = read_context(a.cos, a.sin, a.row_slots, a.row_lens, R, hd, eeserve_attend::KSPLIT);
   int64_t tasks = ps.global.first[R];
@@ -294,7 +291,7 @@ at::Tensor decode_stack(const at::Tensor& h, const c10::List<c10::optional<at::T
                         const c10::optional<at::Tensor>& local_lens) {
   Pass ps{};
   const StackArgs a{h, weights, eps, cos, sin, k_pool, v_pool, first_layer, slot_mapping, row_slots, row_lens,
-                    num_heads, num_kv_heads, intermediate, scale, arch, local_layers, local_cos, local_sin,
+                    num_heads, num_kv_heads, intermediate, scale, read_arch(arch), local_layers, local_cos, local_sin,
                     local_slots, local_lens};
   return run_stack(ps, a, 0);
 }
@@ -315,7 +312,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_stack_checked(
     const c10::List<c10::optional<at::Tensor>>& check_weights, int64_t measure, int64_t shortlist_rows,
     const at::Tensor& thresholds) {
   TORCH_CHECK(measure >= 0 && measure <= 2, "decode_stack_checked: measure 0 (max prob), 1 (margin), 2 (classifier)");
-  TORCH_CHECK(arch == 0 || arch == 1, "decode_stack: arch 0 (Llama) or 1 (Gemma 3)");
+  const Arch ar = read_arch(arch);
   const Measure m = static_cast<Measure>(measure);
   const int64_t K = m == Measure::Classifier ? 0 : shortlist_rows;
   TORCH_CHECK(m == Measure::Classifier || K > 0, "decode_stack_checked: a shortlist needs rows");
@@ -323,10 +320,10 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_stack_checked(
                              std::numeric_limits<float>::quiet_NaN(), h.options());
   Pass ps{};
   ps.measure = m;
-  const int64_t L = static_cast<int64_t>(weights.size()) / per_layer(static_cast<Arch>(arch));
+  const int64_t L = static_cast<int64_t>(weights.size()) / per_layer(ar);
   ps.checks = read_checks(check_after, check_eps, check_weights, m, K, thresholds, conf, L, h.size(1));
   const StackArgs a{h, weights, eps, cos, sin, k_pool, v_pool, first_layer, slot_mapping, row_slots, row_lens,
-                    num_heads, num_kv_heads, intermediate, scale, arch, local_layers, local_cos, local_sin,
+                    num_heads, num_kv_heads, intermediate, scale, ar, local_layers, local_cos, local_sin,
                     local_slots, local_lens};
   at::Tensor out = run_stack(ps, a, K);
   return {out, conf, ps.stopped.load()};

@@ -29,6 +29,10 @@ using eeserve_linear::TILE;
 // gate_up_s, down_w, down_s).
 enum class Arch { Llama = 0, Gemma3 = 1 };
 inline int64_t per_layer(Arch a) { return a == Arch::Llama ? 11 : 14; }
+inline Arch read_arch(int64_t a) {
+  TORCH_CHECK(a == 0 || a == 1, "decode_stack: arch 0 (Llama) or 1 (Gemma 3)");
+  return static_cast<Arch>(a);
+}
 
 // One projection: float32 ([tiles * 2, K, 16]) or int8 ([tiles * 2, Kp / 2, 16, 2] with scales).
 struct Proj {
