@@ -419,6 +419,37 @@ def test_server_reject_ms_reads_the_buckets_between_two_samples() -> None:
     assert math.isnan(nothing["p50"]) and math.isnan(nothing["p99"])
 
 
+def test_soak_sampler_reads_its_families_only() -> None:
+    """``read_sampled`` reads from a page what a parse of the whole page does for the sampled
+    families (summed over replicas), and nothing of the others."""
+    from eeserve.bench.soak_load import read_gauges, read_histogram, read_sampled
+
+    page = "".join(
+        f"# HELP eeserve_{n} x\n# TYPE eeserve_{n} {t}\n"
+        + "".join(f'eeserve_{n}{{replica="{r}"{lab}}} {v}\n' for r, v in ((0, 2.0), (1, 3.0)))
+        for n, t, lab in (
+            ("kv_blocks_used", "gauge", ""),
+            ("num_requests_waiting", "gauge", ""),
+            ("kv_blocks_total", "gauge", ""),  # not sampled
+            ("replica_info", "gauge", ',pid="7"'),
+        )
+    )
+    page += "# HELP eeserve_rejection_seconds x\n# TYPE eeserve_rejection_seconds histogram\n"
+    for le, count in (("0.01", 4.0), ("+Inf", 5.0)):
+        page += f'eeserve_rejection_seconds_bucket{{le="{le}",replica="0"}} {count}\n'
+    page += "eeserve_rejection_seconds_count 5.0\neeserve_rejection_seconds_sum 0.1\n"
+    gauges, pids, rejects = read_sampled(page)
+    full, full_pids = read_gauges(page)
+    assert gauges["eeserve_kv_blocks_used"] == full["eeserve_kv_blocks_used"] == 5.0
+    assert gauges["eeserve_num_requests_waiting"] == 5.0 and pids == full_pids == [7, 7]
+    assert "eeserve_kv_blocks_total" in full and "eeserve_kv_blocks_total" not in gauges
+    assert (
+        rejects
+        == read_histogram(page, "eeserve_rejection_seconds")
+        == {0.01: 4.0, float("inf"): 5.0}
+    )
+
+
 @pytest.mark.slow
 def test_soak_smoke(server: Server, tmp_path: Path) -> None:
     """``eeserve bench soak`` against the one-slot server: every request is accounted for

@@ -171,6 +171,7 @@ async def _soak(
             task.cancel()
             with suppress(asyncio.CancelledError):
                 await task
+        sampler.close()
         up = await _healthy(client)
     warmup = min(args.interval, 0.2 * min(durations))
     summaries = [

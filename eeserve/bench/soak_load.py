@@ -10,10 +10,11 @@ answered it: the engine's admission control, whose body is an OpenAI error, or R
 starts requests at Poisson arrival times at a given rate for a given time and, once that time
 has passed, waits for them all; ``closed_loop`` keeps ``concurrency`` requests in flight for a
 given time (the capacity measurement). ``Sampler`` reads, every few seconds, the RSS of the
-server's process tree from ``/proc`` (in a worker thread, off the event loop), the KV-block
-and queue gauges from ``/metrics`` (summed over replicas) and the server's own histogram of how
-long its 429s took (``eeserve_rejection_seconds``, cumulative counts by bucket, summed over
-replicas: ``read_histogram``). ``renice`` lowers the priority of
+server's process tree from ``/proc``, the KV-block and queue gauges from ``/metrics`` (summed
+over replicas; ``read_sampled`` parses the ``SAMPLED`` families only) and the server's own
+histogram of how long its 429s took (``eeserve_rejection_seconds``, cumulative counts by bucket,
+summed over replicas: ``read_histogram``), all in a process of its own (``read_server``) so that
+the client's event loop never waits for that work. ``renice`` lowers the priority of
 every thread of a process. ``LoopLag`` records how late the
 client's own event loop wakes from a short sleep: every latency the client measures includes
 that lag, so the records carry it beside them. Times are ``time.perf_counter()`` seconds since
@@ -24,9 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import time
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 STATUSES = ("completed", "rejected", "deadline", "disconnected", "failed", "hung")
 REJECTION_HISTOGRAM = "eeserve_rejection_seconds"  # server.metrics: 429s, arrival to headers
+# The metric families a sample reads. A replicas' page holds far more (every histogram, once per
+# replica): parsed whole, it held the client's loop for up to ~400 ms, which every request timed
+# meanwhile (a 429's latency included) counted as the server's.
+SAMPLED = (
+    "eeserve_kv_blocks_used",
+    "eeserve_num_requests_running",
+    "eeserve_num_requests_waiting",
+    "eeserve_replica_info",
+    REJECTION_HISTOGRAM,
+)
 
 
 @dataclass
@@ -248,6 +262,25 @@ def read_gauges(text: str) -> tuple[dict[str, float], list[int]]:
     return sums, pids
 
 
+def only_families(text: str, names: tuple[str, ...]) -> str:
+    """The lines of a Prometheus text page whose metric name starts with one of ``names``
+    (samples, and their families' ``# TYPE`` and ``# HELP`` lines)."""
+    keep = []
+    for line in text.splitlines():
+        name = line[7:] if line.startswith(("# TYPE ", "# HELP ")) else line
+        if name.startswith(names):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+def read_sampled(text: str) -> tuple[dict[str, float], list[int], dict[float, float]]:
+    """What a sample reads from a ``/metrics`` page: ``read_gauges`` and the 429 histogram
+    (``read_histogram``), of the ``SAMPLED`` families only."""
+    page = only_families(text, SAMPLED)
+    gauges, pids = read_gauges(page)
+    return gauges, pids, read_histogram(page, REJECTION_HISTOGRAM)
+
+
 def read_histogram(text: str, name: str) -> dict[float, float]:
     """A histogram's cumulative bucket counts by upper bound (``le``), summed over replicas."""
     out: dict[float, float] = {}
@@ -269,6 +302,19 @@ def read_limits(text: str) -> dict[str, float]:
             if s.name == "eeserve_admission_limit":
                 out.setdefault(s.labels["limit"], float(s.value))
     return out
+
+
+def read_server(
+    text: str | None, root: int | None
+) -> tuple[dict[str, float], list[int], dict[float, float], tuple[float | None, ...]]:
+    """A sample's reading of the server (run in the sampler's process): ``read_sampled`` of its
+    ``/metrics`` page (None: no page) and the RSS in MiB of the server process, its replicas and
+    its whole process tree (``root``: the server's pid, None: not known)."""
+    gauges, pids, rejects = read_sampled(text) if text is not None else ({}, [], {})
+    server = rss_mib(root) if root else None
+    replicas = _total([rss_mib(p) for p in pids]) if pids else None
+    tree = _total([rss_mib(p) for p in process_tree(root)]) if root else None
+    return gauges, pids, rejects, (server, replicas, tree)
 
 
 def rss_mib(pid: int) -> float | None:
@@ -319,20 +365,23 @@ class Sampler:
         self.server_pid = server_pid
         self.t0 = t0
         self.samples: list[Sample] = []
+        # Parsing a page and scanning /proc in a thread of this process held the GIL, and the
+        # loop's thread then waited up to the switch interval (5 ms) after each of its system
+        # calls: stalls of hundreds of ms, which every request timed meanwhile counted as the
+        # server's. A process of its own takes that work off the loop's interpreter.
+        # Forked, not spawned (a fresh interpreter would import torch with eeserve, for seconds),
+        # and at once, while the client runs no thread but the loop's.
+        self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+        self.pool.submit(rss_mib, os.getpid()).result()
 
     async def sample(self) -> Sample:
-        gauges: dict[str, float] = {}
-        pids: list[int] = []
-        rejects: dict[float, float] = {}
-        try:
-            r = await self.client.get("/metrics", timeout=30)
-            gauges, pids = read_gauges(r.text)
-            rejects = read_histogram(r.text, REJECTION_HISTOGRAM)
-        except httpx.HTTPError:
-            pass
-        # A scan of /proc takes tens of ms with a Ray cluster's processes: a thread's job, not
-        # the loop's, whose every stall would add to the latencies measured meanwhile.
-        server, replicas, tree = await asyncio.to_thread(self._rss, pids)
+        text = None
+        with suppress(httpx.HTTPError):
+            text = (await self.client.get("/metrics", timeout=30)).text
+        loop = asyncio.get_running_loop()
+        gauges, _, rejects, (server, replicas, tree) = await loop.run_in_executor(
+            self.pool, read_server, text, self.server_pid
+        )
         s = Sample(
             time.perf_counter() - self.t0,
             server,
@@ -346,13 +395,8 @@ class Sampler:
         self.samples.append(s)
         return s
 
-    def _rss(self, pids: list[int]) -> tuple[float | None, float | None, float | None]:
-        """MiB: the server process, its replicas, its whole process tree."""
-        root = self.server_pid
-        server = rss_mib(root) if root else None
-        replicas = _total([rss_mib(p) for p in pids]) if pids else None
-        tree = _total([rss_mib(p) for p in process_tree(root)]) if root else None
-        return server, replicas, tree
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
 
     async def run(self, every: float) -> None:
         while True:
