@@ -354,7 +354,7 @@ def test_soak_starts_the_server_below_its_own_priority() -> None:
 
 
 def test_renice_lowers_every_thread_of_a_process() -> None:
-    from eeserve.bench.soak_load import renice
+    from eeserve.bench.soak_sample import renice
 
     code = (
         "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
@@ -400,8 +400,8 @@ def test_soak_client_says_who_turned_a_request_away(body: str, by: str) -> None:
 
 
 def test_server_reject_ms_reads_the_buckets_between_two_samples() -> None:
-    from eeserve.bench.soak_load import Sample
     from eeserve.bench.soak_report import server_reject_ms
+    from eeserve.bench.soak_sample import Sample
 
     def at(t: float, buckets: dict[float, float]) -> Sample:
         return Sample(t, None, None, None, None, None, None, buckets)
@@ -422,7 +422,7 @@ def test_server_reject_ms_reads_the_buckets_between_two_samples() -> None:
 def test_soak_sampler_reads_its_families_only() -> None:
     """``read_sampled`` reads from a page what a parse of the whole page does for the sampled
     families (summed over replicas), and nothing of the others."""
-    from eeserve.bench.soak_load import read_gauges, read_histogram, read_sampled
+    from eeserve.bench.soak_sample import read_gauges, read_histogram, read_sampled
 
     page = "".join(
         f"# HELP eeserve_{n} x\n# TYPE eeserve_{n} {t}\n"

@@ -3,20 +3,20 @@
 Contract: ``run_soak(args)`` starts ``python -m eeserve.server MODEL`` on a free loopback port,
 ``--server-nice`` below this client's priority (``--replicas N``: N Ray Serve replicas, each
 replica's process niced once it serves, Ray's proxy and controller left at the client's priority;
-or benchmarks ``--base-url`` as it is), warms it up and
-measures its capacity: the completion rate of a closed loop of ``--capacity-concurrency`` clients
-sending the request mix for ``--capacity-duration`` seconds (completed requests over the time from
-its start to the last completion; or takes ``--capacity`` requests/s as given). Then, for each
-``--loads`` multiple, it sends the mix open-loop (Poisson arrivals at multiple x capacity, whatever
-the server answers) for ``--duration`` seconds (one value, or one per load), waits until every
-request has ended and the server is idle, and samples the server meanwhile (``soak_load``). The mix:
-``--long-share`` of ~1.5k-token prompts (``--long-chars``), the rest short; ``--stream-share``
-streamed; ``--disconnect-share`` of clients that hang up early on purpose; every request asks for
+or benchmarks ``--base-url`` as it is), warms it up and measures its capacity: the completion rate
+of a closed loop of ``--capacity-concurrency`` clients sending the request mix for
+``--capacity-duration`` seconds (completed requests over the time from its start to the last
+completion; or takes ``--capacity`` requests/s as given). Then, for each ``--loads`` multiple, it
+sends the mix open-loop (Poisson arrivals at multiple x capacity, whatever the server answers) for
+``--duration`` seconds (one value, or one per load), waits until every request has ended and the
+server is idle, and samples the server meanwhile (``soak_sample``). The mix: ``--long-share`` of
+~1.5k-token prompts (``--long-chars``), the rest short; ``--stream-share`` streamed;
+``--disconnect-share`` of clients that hang up early on purpose; every request asks for
 ``--max-tokens`` tokens (ignore_eos). It writes ``<out-dir>/<label>.json`` (``provenance``: commit,
 date, machine, the exact command; capacity; the server's admission limits; per-interval records;
 per-load summaries; the checks of ``soak_report.checks``) and ``<label>.png`` (``soak_plots``),
-prints the summaries and returns 0, or 1 when a request failed or hung or the server went down. Only
-the given base URL (default: loopback) is contacted.
+prints the summaries and returns 0, or 1 when a request failed or hung or the server went down.
+Only the given base URL (default: loopback) is contacted.
 """
 
 from __future__ import annotations
@@ -44,20 +44,10 @@ import httpx
 
 from eeserve.bench.arrivals import long_prompt_texts
 from eeserve.bench.serve import wait_healthy
-from eeserve.bench.soak_load import (
-    LoopLag,
-    Mix,
-    Outcome,
-    Sampler,
-    closed_loop,
-    open_loop,
-    read_gauges,
-    read_limits,
-    renice,
-    send,
-)
+from eeserve.bench.soak_load import Mix, Outcome, closed_loop, open_loop, send
 from eeserve.bench.soak_plots import plot_soak
 from eeserve.bench.soak_report import Phase, checks, intervals, summarize_phase
+from eeserve.bench.soak_sample import LoopLag, Sampler, read_gauges, read_limits, renice
 from eeserve.tuning.prompts import prompt_texts
 from eeserve.tuning.provenance import provenance
 
@@ -171,7 +161,6 @@ async def _soak(
             task.cancel()
             with suppress(asyncio.CancelledError):
                 await task
-        sampler.close()
         up = await _healthy(client)
     warmup = min(args.interval, 0.2 * min(durations))
     summaries = [

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from eeserve.bench.serve import percentiles
-from eeserve.bench.soak_load import STATUSES, Outcome, Sample
+from eeserve.bench.soak_load import STATUSES, Outcome
+from eeserve.bench.soak_sample import Sample
 
 TTFT_RATIO_2X = 3.0
 REJECT_P99_MS = 100.0

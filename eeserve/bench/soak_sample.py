@@ -1,0 +1,246 @@
+"""The soak benchmark's view of the server and of itself: sampling, and the client's loop lag.
+
+Contract: ``Sampler`` reads, every few seconds, the RSS of the server's process tree from
+``/proc``, the KV-block and queue gauges from ``/metrics`` (summed over replicas;
+``read_sampled`` parses the ``SAMPLED`` families only) and the server's own histogram of how
+long its 429s took (``eeserve_rejection_seconds``, cumulative counts by bucket, summed over
+replicas: ``read_histogram``), all in a forked process of its own (``read_server``), so that the
+client's event loop never waits for that work. ``read_gauges`` and ``read_limits`` read a
+``/metrics`` page; ``renice`` lowers the priority of every thread of a process. ``LoopLag``
+records how late the client's own event loop wakes from a short sleep: every latency the client
+measures includes that lag, so the records carry it beside them. Times are
+``time.perf_counter()`` seconds since the run's ``t0``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+REJECTION_HISTOGRAM = "eeserve_rejection_seconds"  # server.metrics: 429s, arrival to headers
+# The metric families a sample reads. A replicas' page holds far more (every histogram, once per
+# replica): parsed whole, it held the client's loop for up to ~400 ms, which every request timed
+# meanwhile (a 429's latency included) counted as the server's.
+SAMPLED = (
+    "eeserve_kv_blocks_used",
+    "eeserve_num_requests_running",
+    "eeserve_num_requests_waiting",
+    "eeserve_replica_info",
+    REJECTION_HISTOGRAM,
+)
+
+
+@dataclass
+class Sample:
+    t: float
+    rss_server_mib: float | None
+    rss_replicas_mib: float | None
+    rss_tree_mib: float | None
+    kv_blocks_used: float | None
+    running: float | None
+    waiting: float | None
+    # eeserve_rejection_seconds: cumulative count by upper bound (s), summed over replicas
+    reject_buckets: dict[float, float] = field(default_factory=dict)
+
+    @property
+    def idle(self) -> bool:
+        return self.running == 0 and self.waiting == 0
+
+
+def read_gauges(text: str) -> tuple[dict[str, float], list[int]]:
+    """Every sample summed by name (over replicas, and over labels: read unlabelled gauges
+    only), and the replicas' pids (``eeserve_replica_info``)."""
+    sums: dict[str, float] = {}
+    pids: list[int] = []
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "eeserve_replica_info":
+                pids.append(int(s.labels["pid"]))
+            else:  # replicas label every sample with its replica
+                sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
+    return sums, pids
+
+
+def only_families(text: str, names: tuple[str, ...]) -> str:
+    """The lines of a Prometheus text page whose metric name starts with one of ``names``
+    (samples, and their families' ``# TYPE`` and ``# HELP`` lines)."""
+    keep = []
+    for line in text.splitlines():
+        name = line[7:] if line.startswith(("# TYPE ", "# HELP ")) else line
+        if name.startswith(names):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+def read_sampled(text: str) -> tuple[dict[str, float], list[int], dict[float, float]]:
+    """What a sample reads from a ``/metrics`` page: ``read_gauges`` and the 429 histogram
+    (``read_histogram``), of the ``SAMPLED`` families only."""
+    page = only_families(text, SAMPLED)
+    gauges, pids = read_gauges(page)
+    return gauges, pids, read_histogram(page, REJECTION_HISTOGRAM)
+
+
+def read_histogram(text: str, name: str) -> dict[float, float]:
+    """A histogram's cumulative bucket counts by upper bound (``le``), summed over replicas."""
+    out: dict[float, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name != name:
+            continue
+        for s in fam.samples:
+            if s.name == f"{name}_bucket":
+                le = float(s.labels["le"])
+                out[le] = out.get(le, 0.0) + float(s.value)
+    return out
+
+
+def read_limits(text: str) -> dict[str, float]:
+    """The admission limits a server (its first replica) reports (``eeserve_admission_limit``)."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "eeserve_admission_limit":
+                out.setdefault(s.labels["limit"], float(s.value))
+    return out
+
+
+def read_server(
+    text: str | None, root: int | None
+) -> tuple[dict[str, float], list[int], dict[float, float], tuple[float | None, ...]]:
+    """A sample's reading of the server (run in the sampler's process): ``read_sampled`` of its
+    ``/metrics`` page (None: no page) and the RSS in MiB of the server process, its replicas and
+    its whole process tree (``root``: the server's pid, None: not known)."""
+    gauges, pids, rejects = read_sampled(text) if text is not None else ({}, [], {})
+    server = rss_mib(root) if root else None
+    replicas = _total([rss_mib(p) for p in pids]) if pids else None
+    tree = _total([rss_mib(p) for p in process_tree(root)]) if root else None
+    return gauges, pids, rejects, (server, replicas, tree)
+
+
+def rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process descended from it (a Ray cluster started by the server)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def renice(pid: int, increment: int) -> int:
+    """Run every thread of ``pid`` ``increment`` nicer than this process; the number of threads
+    set. On Linux a nice value belongs to a thread (``renice`` sets the main thread's alone), and a
+    thread started later inherits its creator's."""
+    value = os.getpriority(os.PRIO_PROCESS, 0) + increment
+    count = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(task.name), value)
+            count += 1
+        except ProcessLookupError:  # the thread has ended
+            continue
+    return count
+
+
+class Sampler:
+    def __init__(self, client: httpx.AsyncClient, server_pid: int | None, t0: float) -> None:
+        self.client = client
+        self.server_pid = server_pid
+        self.t0 = t0
+        self.samples: list[Sample] = []
+        # Parsing a page and scanning /proc in a thread of this process held the GIL, and the
+        # loop's thread then waited up to the switch interval (5 ms) after each of its system
+        # calls: stalls of hundreds of ms, which every request timed meanwhile counted as the
+        # server's. A process of its own takes that work off the loop's interpreter.
+        # Forked, not spawned (a fresh interpreter would import torch with eeserve, for seconds),
+        # and at once, while the client runs no thread but the loop's.
+        self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+        self.pool.submit(rss_mib, os.getpid()).result()
+
+    async def sample(self) -> Sample:
+        text = None
+        with suppress(httpx.HTTPError):
+            text = (await self.client.get("/metrics", timeout=30)).text
+        loop = asyncio.get_running_loop()
+        gauges, _, rejects, (server, replicas, tree) = await loop.run_in_executor(
+            self.pool, read_server, text, self.server_pid
+        )
+        s = Sample(
+            time.perf_counter() - self.t0,
+            server,
+            replicas,
+            tree,
+            gauges.get("eeserve_kv_blocks_used"),
+            gauges.get("eeserve_num_requests_running"),
+            gauges.get("eeserve_num_requests_waiting"),
+            rejects,
+        )
+        self.samples.append(s)
+        return s
+
+    async def run(self, every: float) -> None:
+        """Sample every ``every`` seconds until cancelled; then the sampling process ends (a
+        later ``until_idle`` or ``sample`` is refused)."""
+        try:
+            while True:
+                await self.sample()
+                await asyncio.sleep(every)
+        finally:
+            self.pool.shutdown(cancel_futures=True)
+
+    async def until_idle(self, timeout: float) -> Sample:
+        """Sample until the server runs and queues nothing (or ``timeout`` passes)."""
+        deadline = time.perf_counter() + timeout
+        while True:
+            s = await self.sample()
+            if s.idle or time.perf_counter() > deadline:
+                return s
+            await asyncio.sleep(0.5)
+
+
+class LoopLag:
+    """How late the client's event loop wakes from a ``period``-second sleep, as
+    ``(t, lag seconds)`` pairs: a loop busy with other requests (or a process the CPU is not
+    given) adds this much to any answer the client times."""
+
+    def __init__(self, t0: float, period: float = 0.01) -> None:
+        self.t0 = t0
+        self.period = period
+        self.samples: list[tuple[float, float]] = []
+
+    async def run(self) -> None:
+        while True:
+            due = time.perf_counter() + self.period
+            await asyncio.sleep(self.period)
+            now = time.perf_counter()
+            self.samples.append((due - self.t0, max(0.0, now - due)))
+
+
+def _total(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
