@@ -168,6 +168,10 @@ def renice(pid: int, increment: int) -> int:
 
 
 class Sampler:
+    """Samples the server through ``client``. Make it before ``client`` opens a connection: its
+    process is forked then, and a socket it inherited would stay open after the client closed
+    it (a planned disconnect the server would never see)."""
+
     def __init__(self, client: httpx.AsyncClient, server_pid: int | None, t0: float) -> None:
         self.client = client
         self.server_pid = server_pid
@@ -178,7 +182,7 @@ class Sampler:
         # calls: stalls of hundreds of ms, which every request timed meanwhile counted as the
         # server's. A process of its own takes that work off the loop's interpreter.
         # Forked, not spawned (a fresh interpreter would import torch with eeserve, for seconds),
-        # and at once, while the client runs no thread but the loop's.
+        # and at once, while the client runs no thread but the loop's and holds no socket.
         self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
         self.pool.submit(rss_mib, os.getpid()).result()
 
