@@ -110,9 +110,13 @@ def run_soak(args: argparse.Namespace) -> int:
     with _server(args) as (base, pid):
         # The imports (torch with eeserve) leave ~270k objects that each full collection walks:
         # 140 ms quiet, stalls of hundreds of ms while the server holds the cores, which every
-        # latency timed meanwhile would count. The server freezes its startup heap alike.
+        # latency timed meanwhile would count. The server freezes its startup heap alike; the
+        # caller's heap is given back as it was.
         gc.freeze()
-        result = asyncio.run(_soak(args, base, pid, loads, durations))
+        try:
+            result = asyncio.run(_soak(args, base, pid, loads, durations))
+        finally:
+            gc.unfreeze()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     label = args.label or _label(args, durations)
