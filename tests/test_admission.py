@@ -353,6 +353,27 @@ def test_soak_starts_the_server_below_its_own_priority() -> None:
     assert "nice" not in replicas and replicas[replicas.index("--replicas") + 1] == "2"
 
 
+def test_soak_client_runs_realtime_only_while_it_runs() -> None:
+    from eeserve.bench.soak_sample import realtime
+
+    def policy() -> int:
+        return os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK
+
+    child = [sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"]
+    before = os.sched_getscheduler(0)
+    with realtime() as got:
+        if got == "SCHED_RR 1":
+            assert policy() == os.SCHED_RR and os.sched_getparam(0).sched_priority == 1
+            # What the client starts (the sampler's process, a server) runs at normal priority.
+            out = subprocess.run(child, capture_output=True, text=True, check=True).stdout
+            assert int(out) == os.SCHED_OTHER
+        else:  # not permitted here: the run goes on at normal priority and says why
+            assert got.startswith("normal (real-time refused") and policy() == before
+    assert os.sched_getscheduler(0) == before
+    with realtime(False) as got:
+        assert got == "normal" and os.sched_getscheduler(0) == before
+
+
 def test_renice_lowers_every_thread_of_a_process() -> None:
     from eeserve.bench.soak_sample import renice
 

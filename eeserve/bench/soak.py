@@ -48,7 +48,14 @@ from eeserve.bench.serve import wait_healthy
 from eeserve.bench.soak_load import Mix, Outcome, closed_loop, open_loop, send
 from eeserve.bench.soak_plots import plot_soak
 from eeserve.bench.soak_report import Phase, checks, intervals, summarize_phase
-from eeserve.bench.soak_sample import LoopLag, Sampler, read_gauges, read_limits, renice
+from eeserve.bench.soak_sample import (
+    LoopLag,
+    Sampler,
+    read_gauges,
+    read_limits,
+    realtime,
+    renice,
+)
 from eeserve.tuning.prompts import prompt_texts
 from eeserve.tuning.provenance import provenance
 
@@ -75,6 +82,14 @@ def add_soak_parser(subparsers: Any) -> argparse.ArgumentParser:
         "starts (the single process; with --replicas, every thread of each replica, not Ray's "
         "proxy): on a machine they share, the load generator and the proxy that turns requests "
         "away are then not starved by the engines' compute (0: equal priority)",
+    )
+    p.add_argument(
+        "--client-priority",
+        choices=("realtime", "normal"),
+        default="realtime",
+        help="the client's event loop at the lowest real-time priority while it runs (where "
+        "permitted: root or CAP_SYS_NICE; else normal, and the JSON says why), so that the "
+        "latencies it times are not its own waits for a CPU the server keeps busy",
     )
     p.add_argument("--request-timeout", type=float, default=120.0, help="the server's, seconds")
     p.add_argument("--loads", default="0.5,1,2", help="multiples of capacity, comma-separated")
@@ -107,7 +122,9 @@ def run_soak(args: argparse.Namespace) -> int:
         durations *= len(loads)
     if len(durations) != len(loads):
         raise ValueError("--duration takes one value or one per load")
-    with _server(args) as (base, pid):
+    rt = args.client_priority == "realtime"
+    with _server(args) as (base, pid), realtime(rt) as priority:
+        print(f"client priority: {priority}", flush=True)
         # The imports (torch with eeserve) leave ~270k objects that each full collection walks:
         # 140 ms quiet, stalls of hundreds of ms while the server holds the cores, which every
         # latency timed meanwhile would count. The server freezes its startup heap alike; the
@@ -117,6 +134,7 @@ def run_soak(args: argparse.Namespace) -> int:
             result = asyncio.run(_soak(args, base, pid, loads, durations))
         finally:
             gc.unfreeze()
+    result["client_priority"] = priority
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     label = args.label or _label(args, durations)
@@ -268,7 +286,9 @@ def format_summaries(result: dict[str, Any]) -> str:
         f"{'disc':>5} {'fail':>4} {'hung':>4} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} "
         f"{'429 p99':>7} {'srv<=':>6} {'idle KV':>7} {'lag p99':>7}"
     )
-    lines = [f"capacity {result['capacity']['requests_per_s']:.3f} requests/s", head]
+    capacity = result["capacity"]["requests_per_s"]
+    priority = result.get("client_priority", "normal")
+    lines = [f"capacity {capacity:.3f} requests/s; client priority {priority}", head]
     for s in result["summaries"]:
         t, i = s["ttft_ms"], s["itl_ms"]
         lines.append(

@@ -6,7 +6,8 @@ Contract: ``Sampler`` reads, every few seconds, the RSS of the server's process 
 long its 429s took (``eeserve_rejection_seconds``, cumulative counts by bucket, summed over
 replicas: ``read_histogram``), all in a forked process of its own (``read_server``), so that the
 client's event loop never waits for that work. ``read_gauges`` and ``read_limits`` read a
-``/metrics`` page; ``renice`` lowers the priority of every thread of a process. ``LoopLag``
+``/metrics`` page; ``renice`` lowers the priority of every thread of a process; ``realtime``
+raises the client's loop above every normal process while the load runs. ``LoopLag``
 records how late the client's own event loop wakes from a short sleep: every latency the client
 measures includes that lag, so the records carry it beside them. Times are
 ``time.perf_counter()`` seconds since the run's ``t0``.
@@ -19,7 +20,8 @@ import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,6 +167,30 @@ def renice(pid: int, increment: int) -> int:
         except ProcessLookupError:  # the thread has ended
             continue
     return count
+
+
+@contextmanager
+def realtime(enabled: bool = True) -> Iterator[str]:
+    """While the block runs, the calling thread (the client's event loop) runs at the lowest
+    real-time priority, SCHED_RR 1: above every normal process, so that the moments it records
+    are when the server's bytes arrive, not when a CPU the server under test keeps busy is next
+    free (as with a client on a machine of its own). Processes and threads it starts meanwhile
+    run at normal priority (SCHED_RESET_ON_FORK). The thread's policy is restored afterwards.
+    Yields what the thread got: ``"SCHED_RR 1"``, or ``"normal"`` and why (not enabled; not
+    permitted, which takes root or CAP_SYS_NICE; not Linux)."""
+    if not enabled:
+        yield "normal"
+        return
+    try:
+        before = os.sched_getscheduler(0), os.sched_getparam(0)
+        os.sched_setscheduler(0, os.SCHED_RR | os.SCHED_RESET_ON_FORK, os.sched_param(1))
+    except (AttributeError, OSError) as e:
+        yield f"normal (real-time refused: {e})"
+        return
+    try:
+        yield "SCHED_RR 1"
+    finally:
+        os.sched_setscheduler(0, before[0], before[1])
 
 
 class Sampler:
