@@ -46,7 +46,7 @@ constexpr int64_t PAIRS = CHUNK / 2;
 // Bytes ahead of the current chunk that each block's next weights are prefetched from. AVX2's
 // tile: 2 KB into L1 was 15% faster at 1 row and 30-45% at 8 rows than the hardware prefetcher
 // alone (0, 512 B-8 KB tried). AVX-512's: 4 KB into L2, carried on into the next tile's blocks,
-// read the LM head 25-35% faster at 1 row and ~15% at 8 rows than 2 KB into L1 on a Zen 4 (where
+// read the LM head 25-35% faster at 1 row and ~25% at 8 rows than 2 KB into L1 on a Zen 4 (where
 // L1 prefetches took miss slots the demand loads needed and ran slower than none at all).
 constexpr int64_t PF = 2048;
 constexpr int64_t PF_L2 = 4096;
