@@ -395,9 +395,15 @@ def test_renice_lowers_every_thread_of_a_process() -> None:
 
 
 @pytest.mark.parametrize(
-    ("body", "by"), [('{"error": {"message": "busy"}}', "engine"), ("Too many requests", "proxy")]
+    ("body", "by", "limit"),
+    [
+        ('{"error": {"message": "busy", "type": "tokens"}}', "engine", "tokens"),
+        ('{"error": {"message": "busy", "type": "requests"}}', "engine", "requests"),
+        ('{"error": "busy"}', "engine", None),
+        ("Too many requests", "proxy", None),
+    ],
 )
-def test_soak_client_says_who_turned_a_request_away(body: str, by: str) -> None:
+def test_soak_client_says_who_turned_a_request_away(body: str, by: str, limit: str | None) -> None:
     from starlette.responses import Response
 
     from eeserve.bench.soak_load import Request
@@ -417,6 +423,7 @@ def test_soak_client_says_who_turned_a_request_away(body: str, by: str) -> None:
         2,
         by,
     )
+    assert out.rejected_limit == limit
     assert out.reject_latency is not None and out.reject_latency >= 0
 
 
@@ -496,6 +503,11 @@ def test_soak_smoke(server: Server, tmp_path: Path) -> None:
         assert s["requests"] > 0 and answered == s["requests"] and s["hung"] == s["failed"] == 0
         assert s["kv_blocks_used_after_drain"] == 0 and s["rejected_by_proxy"] == 0
         assert 0 <= s["client_lag_ms"]["p99"] <= s["client_lag_ms"]["max"]
+        # Every 429 names the limit that refused it; the kinds add up to the whole.
+        assert sum(s["rejected_by_limit"].values()) == s["rejected"]
+        kinds = s["by_kind"].values()
+        assert sum(k["requests"] for k in kinds) == s["requests"]
+        assert sum(k["rejected"] for k in kinds) == s["rejected"]
     assert sum(s["rejected"] for s in result["summaries"]) > 0  # one slot: overloaded
     for s in result["summaries"]:  # the server's own timing of its 429s, where there were any
         assert (s["rejected"] > 0) == (s["server_reject_ms"]["p99"] > 0), s

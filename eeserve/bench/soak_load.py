@@ -4,7 +4,8 @@ Contract: ``Mix`` draws request bodies (short or ~1.5k-token prompts, streaming 
 of clients that disconnect on purpose), each behind a first line of its own so that no request is
 served from another's prefix cache. ``send(client, req, t0, hard_timeout)`` runs one and returns
 its ``Outcome``: ``completed``, ``rejected`` (429, with its latency, ``Retry-After`` and who
-answered it: the engine's admission control, whose body is an OpenAI error, or Ray's proxy),
+answered it: the engine's admission control, whose body is an OpenAI error naming the limit, or
+Ray's proxy),
 ``deadline`` (504 or a stream's ``deadline_exceeded`` event), ``disconnected`` (planned),
 ``failed`` (any other answer) or ``hung`` (no answer within ``hard_timeout``). ``open_loop``
 starts requests at Poisson arrival times at a given rate for a given time and, once that time
@@ -48,6 +49,7 @@ class Outcome:
     reject_latency: float | None = None  # a 429: seconds to its response headers
     retry_after: int | None = None
     rejected_by: str | None = None  # a 429: "engine" (admission control) or "proxy" (Ray's)
+    rejected_limit: str | None = None  # the engine's 429: "requests" or "tokens" (which limit)
     error: str | None = None
 
 
@@ -144,6 +146,16 @@ async def _run(client: httpx.AsyncClient, req: Request, out: Outcome, t0: float)
         out.status = "completed"
 
 
+def _error_type(text: str) -> str | None:
+    """An OpenAI error body's ``error.type`` (admission control: the limit that refused)."""
+    try:
+        err = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return None
+    kind = err.get("type") if isinstance(err, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
 def _refusal(out: Outcome, r: httpx.Response, text: str, latency: float) -> None:
     out.error = f"HTTP {r.status_code}: {text[:200]}"
     if r.status_code == 429:
@@ -152,6 +164,7 @@ def _refusal(out: Outcome, r: httpx.Response, text: str, latency: float) -> None
         retry = r.headers.get("Retry-After")
         out.retry_after = int(retry) if retry and retry.isdigit() else None
         out.rejected_by = "engine" if text.lstrip().startswith("{") else "proxy"
+        out.rejected_limit = _error_type(text) if out.rejected_by == "engine" else None
     elif r.status_code == 504 and "deadline_exceeded" in text:
         out.status = "deadline"
     else:

@@ -51,6 +51,18 @@ def _latency(outs: list[Outcome]) -> dict[str, Any]:
         "ttft_ms": percentiles([o.ttft for o in streamed if o.ttft is not None], (50, 99)),
         "itl_ms": percentiles([x for o in streamed for x in o.itls], (50, 99)),
         "rejected_by_proxy": sum(o.rejected_by == "proxy" for o in outs),
+        # Which limit refused, and whether long prompts bear the refusals: how to size the limits.
+        "rejected_by_limit": {
+            lim: sum(o.status == "rejected" and o.rejected_limit == lim for o in outs)
+            for lim in ("requests", "tokens")
+        },
+        "by_kind": {
+            kind: {
+                "requests": sum(o.kind == kind for o in outs),
+                "rejected": sum(o.kind == kind and o.status == "rejected" for o in outs),
+            }
+            for kind in ("short", "long")
+        },
         "reject_ms": percentiles(
             [o.reject_latency for o in outs if o.reject_latency is not None], (50, 99)
         ),
