@@ -53,7 +53,7 @@ def _latency(outs: list[Outcome]) -> dict[str, Any]:
         "rejected_by_proxy": sum(o.rejected_by == "proxy" for o in outs),
         # Which limit refused, and whether long prompts bear the refusals: how to size the limits.
         "rejected_by_limit": {
-            lim: sum(o.status == "rejected" and o.rejected_limit == lim for o in outs)
+            lim: sum(o.rejected_limit == lim for o in outs)  # set on 429s only
             for lim in ("requests", "tokens")
         },
         "by_kind": {
