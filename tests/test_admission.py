@@ -353,6 +353,18 @@ def test_soak_starts_the_server_below_its_own_priority() -> None:
     assert "nice" not in replicas and replicas[replicas.index("--replicas") + 1] == "2"
 
 
+def test_soak_rates_capacity_below_the_saturation_throughput() -> None:
+    from eeserve.bench.soak import add_soak_parser
+
+    parser = argparse.ArgumentParser()
+    add_soak_parser(parser.add_subparsers())
+    assert parser.parse_args(["soak"]).utilization == 0.8
+    assert parser.parse_args(["soak", "--utilization", "1"]).utilization == 1.0
+    for bad in ("0", "1.5", "-0.2"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["soak", "--utilization", bad])
+
+
 def test_soak_client_runs_realtime_only_while_it_runs() -> None:
     from eeserve.bench.soak_sample import realtime
 
@@ -496,7 +508,10 @@ def test_soak_smoke(server: Server, tmp_path: Path) -> None:
     assert run_soak(args) == 0
     result = json.loads((tmp_path / "smoke.json").read_text())
     assert (tmp_path / "smoke.png").stat().st_size > 0
-    assert result["capacity"]["requests_per_s"] > 0 and result["provenance"]["commit"]
+    cap = result["capacity"]
+    assert cap["measured"] and cap["utilization"] == 0.8 and result["provenance"]["commit"]
+    assert cap["throughput_per_s"] > 0
+    assert cap["requests_per_s"] == pytest.approx(0.8 * cap["throughput_per_s"])
     assert [s["load"] for s in result["summaries"]] == [1.0, 3.0]
     for s in result["summaries"]:
         answered = s["completed"] + s["rejected"] + s["deadline"] + s["disconnected"]

@@ -6,7 +6,8 @@ replica's process niced once it serves, Ray's proxy and controller left at the c
 or benchmarks ``--base-url`` as it is), warms it up and measures its capacity: the completion rate
 of a closed loop of ``--capacity-concurrency`` clients sending the request mix for
 ``--capacity-duration`` seconds (completed requests over the time from its start to the last
-completion; or takes ``--capacity`` requests/s as given). Then, for each ``--loads`` multiple, it
+completion: the server's saturation throughput), of which ``--utilization`` is its capacity, the
+1x rate (or takes ``--capacity`` requests/s as given). Then, for each ``--loads`` multiple, it
 sends the mix open-loop (Poisson arrivals at multiple x capacity, whatever the server answers) for
 ``--duration`` seconds (one value, or one per load), waits until every request has ended and the
 server is idle, and samples the server meanwhile (``soak_sample``). The mix: ``--long-share`` of
@@ -94,8 +95,17 @@ def add_soak_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=120.0, help="the server's, seconds")
     p.add_argument("--loads", default="0.5,1,2", help="multiples of capacity, comma-separated")
     p.add_argument("--duration", default="600", help="seconds per load: one, or one per load")
-    p.add_argument("--capacity", type=float, default=None, help="requests/s (default: measure)")
-    p.add_argument("--capacity-duration", type=float, default=60.0)
+    p.add_argument(
+        "--capacity", type=float, default=None, help="the 1x rate, requests/s (default: measure)"
+    )
+    p.add_argument(
+        "--utilization",
+        type=_share,
+        default=0.8,
+        help="the share of the measured saturation throughput that is 1x: at 1, arrivals at the "
+        "server's own rate queue without a steady state and now and then reach the limits",
+    )
+    p.add_argument("--capacity-duration", type=float, default=120.0)
     p.add_argument("--capacity-concurrency", type=int, default=16)
     p.add_argument("--long-share", type=float, default=0.3)
     p.add_argument("--long-chars", type=int, default=6000, help="~1.5k tokens at ~4 chars/token")
@@ -112,6 +122,13 @@ def add_soak_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--label", default=None, help="file name stem (default: from the options)")
     p.set_defaults(func=run_soak)
     return p
+
+
+def _share(text: str) -> float:
+    v = float(text)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return v
 
 
 def run_soak(args: argparse.Namespace) -> int:
@@ -171,7 +188,9 @@ async def _soak(
         for warm in (mix.draw(disconnects=False) for _ in range(2)):
             await send(client, warm, t0, hard)
         limits = read_limits((await client.get("/metrics")).text)
-        capacity, cap_outs = await _capacity(args, client, mix, t0, hard)
+        throughput, cap_outs = await _throughput(args, client, mix, t0, hard)
+        capacity = args.capacity if throughput is None else args.utilization * throughput
+        print(f"capacity (1x): {capacity:.3f} requests/s", flush=True)
         sampler_task = asyncio.create_task(sampler.run(args.sample_every))
         phases: list[Phase] = []
         outcomes: list[list[Outcome]] = []  # per load level
@@ -200,7 +219,9 @@ async def _soak(
         "admission_limits": limits,
         "capacity": {
             "requests_per_s": capacity,
-            "measured": args.capacity is None,
+            "measured": throughput is not None,
+            "throughput_per_s": throughput,
+            "utilization": None if throughput is None else args.utilization,
             "closed_loop": _counts(cap_outs),
         },
         "phases": [asdict(p) for p in phases],
@@ -234,11 +255,12 @@ def _mix(args: argparse.Namespace) -> Mix:
     )
 
 
-async def _capacity(
+async def _throughput(
     args: argparse.Namespace, client: httpx.AsyncClient, mix: Mix, t0: float, hard: float
-) -> tuple[float, list[Outcome]]:
+) -> tuple[float | None, list[Outcome]]:
+    """The closed loop's completion rate (None: ``--capacity`` is given) and its outcomes."""
     if args.capacity is not None:
-        return args.capacity, []
+        return None, []
     start = time.perf_counter() - t0
     outs = await closed_loop(
         client, mix, args.capacity_concurrency, args.capacity_duration, t0, hard
@@ -249,7 +271,7 @@ async def _capacity(
     # The requests in flight when the loop stops run to their end and count: a window that
     # counted only completions inside it would miss every request longer than the window.
     rate = len(done) / (max(o.ended for o in done) - start)
-    print(f"capacity: {rate:.3f} requests/s ({_counts(outs)})", flush=True)
+    print(f"saturation throughput: {rate:.3f} requests/s ({_counts(outs)})", flush=True)
     return rate, outs
 
 
@@ -286,9 +308,12 @@ def format_summaries(result: dict[str, Any]) -> str:
         f"{'disc':>5} {'fail':>4} {'hung':>4} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} "
         f"{'429 p99':>7} {'srv<=':>6} {'idle KV':>7} {'lag p99':>7}"
     )
-    capacity = result["capacity"]["requests_per_s"]
+    cap = result["capacity"]
+    rated = f"capacity {cap['requests_per_s']:.3f} requests/s"
+    if cap.get("throughput_per_s") is not None:
+        rated += f" ({cap['utilization']:g} of {cap['throughput_per_s']:.3f} measured)"
     priority = result.get("client_priority", "normal")
-    lines = [f"capacity {capacity:.3f} requests/s; client priority {priority}", head]
+    lines = [f"{rated}; client priority {priority}", head]
     for s in result["summaries"]:
         t, i = s["ttft_ms"], s["itl_ms"]
         lines.append(
