@@ -3,11 +3,11 @@
 Contract: ``run_soak(args)`` starts ``python -m eeserve.server MODEL`` on a free loopback port,
 ``--server-nice`` below this client's priority (``--replicas N``: N Ray Serve replicas, each
 replica's process niced once it serves, Ray's proxy and controller left at the client's priority;
-or benchmarks ``--base-url`` as it is), warms it up and measures its capacity: the completion rate
-of a closed loop of ``--capacity-concurrency`` clients sending the request mix for
+or benchmarks ``--base-url`` as it is), warms it up and measures its saturation throughput: the
+completion rate of a closed loop of ``--capacity-concurrency`` clients sending the request mix for
 ``--capacity-duration`` seconds (completed requests over the time from its start to the last
-completion: the server's saturation throughput), of which ``--utilization`` is its capacity, the
-1x rate (or takes ``--capacity`` requests/s as given). Then, for each ``--loads`` multiple, it
+completion). ``--utilization`` of that is its capacity, the 1x rate (or ``--capacity`` requests/s
+as given). Then, for each ``--loads`` multiple, it
 sends the mix open-loop (Poisson arrivals at multiple x capacity, whatever the server answers) for
 ``--duration`` seconds (one value, or one per load), waits until every request has ended and the
 server is idle, and samples the server meanwhile (``soak_sample``). The mix: ``--long-share`` of
@@ -188,9 +188,8 @@ async def _soak(
         for warm in (mix.draw(disconnects=False) for _ in range(2)):
             await send(client, warm, t0, hard)
         limits = read_limits((await client.get("/metrics")).text)
-        throughput, cap_outs = await _throughput(args, client, mix, t0, hard)
-        capacity = args.capacity if throughput is None else args.utilization * throughput
-        print(f"capacity (1x): {capacity:.3f} requests/s", flush=True)
+        cap = await _capacity(args, client, mix, t0, hard)
+        capacity = cap["requests_per_s"]
         sampler_task = asyncio.create_task(sampler.run(args.sample_every))
         phases: list[Phase] = []
         outcomes: list[list[Outcome]] = []  # per load level
@@ -217,13 +216,7 @@ async def _soak(
         "provenance": _provenance(),
         "config": {**_config(args), "interval_s": args.interval, "warmup_s": warmup},
         "admission_limits": limits,
-        "capacity": {
-            "requests_per_s": capacity,
-            "measured": throughput is not None,
-            "throughput_per_s": throughput,
-            "utilization": None if throughput is None else args.utilization,
-            "closed_loop": _counts(cap_outs),
-        },
+        "capacity": cap,
         "phases": [asdict(p) for p in phases],
         "summaries": summaries,
         "checks": checks(summaries, up),
@@ -255,12 +248,14 @@ def _mix(args: argparse.Namespace) -> Mix:
     )
 
 
-async def _throughput(
+async def _capacity(
     args: argparse.Namespace, client: httpx.AsyncClient, mix: Mix, t0: float, hard: float
-) -> tuple[float | None, list[Outcome]]:
-    """The closed loop's completion rate (None: ``--capacity`` is given) and its outcomes."""
+) -> dict[str, Any]:
+    """The 1x rate (``requests_per_s``) and where it comes from: ``--capacity`` as given, or
+    ``--utilization`` of the closed loop's completion rate (``throughput_per_s``)."""
     if args.capacity is not None:
-        return None, []
+        given = {"requests_per_s": args.capacity, "throughput_per_s": None, "utilization": None}
+        return {**given, "measured": False, "closed_loop": {}}
     start = time.perf_counter() - t0
     outs = await closed_loop(
         client, mix, args.capacity_concurrency, args.capacity_duration, t0, hard
@@ -271,8 +266,19 @@ async def _throughput(
     # The requests in flight when the loop stops run to their end and count: a window that
     # counted only completions inside it would miss every request longer than the window.
     rate = len(done) / (max(o.ended for o in done) - start)
-    print(f"saturation throughput: {rate:.3f} requests/s ({_counts(outs)})", flush=True)
-    return rate, outs
+    capacity = args.utilization * rate
+    print(
+        f"saturation throughput: {rate:.3f} requests/s ({_counts(outs)}); "
+        f"capacity (1x): {capacity:.3f} requests/s",
+        flush=True,
+    )
+    return {
+        "requests_per_s": capacity,
+        "throughput_per_s": rate,
+        "utilization": args.utilization,
+        "measured": True,
+        "closed_loop": _counts(outs),
+    }
 
 
 def _counts(outs: list[Outcome]) -> dict[str, int]:
