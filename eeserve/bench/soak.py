@@ -7,17 +7,17 @@ or benchmarks ``--base-url`` as it is), warms it up and measures its saturation 
 completion rate of a closed loop of ``--capacity-concurrency`` clients sending the request mix for
 ``--capacity-duration`` seconds (completed requests over the time from its start to the last
 completion). ``--utilization`` of that is its capacity, the 1x rate (or ``--capacity`` requests/s
-as given). Then, for each ``--loads`` multiple, it
-sends the mix open-loop (Poisson arrivals at multiple x capacity, whatever the server answers) for
-``--duration`` seconds (one value, or one per load), waits until every request has ended and the
-server is idle, and samples the server meanwhile (``soak_sample``). The mix: ``--long-share`` of
-~1.5k-token prompts (``--long-chars``), the rest short; ``--stream-share`` streamed;
-``--disconnect-share`` of clients that hang up early on purpose; every request asks for
-``--max-tokens`` tokens (ignore_eos). It writes ``<out-dir>/<label>.json`` (``provenance``: commit,
-date, machine, the exact command; capacity; the server's admission limits; per-interval records;
-per-load summaries; the checks of ``soak_report.checks``) and ``<label>.png`` (``soak_plots``),
-prints the summaries and returns 0, or 1 when a request failed or hung or the server went down.
-Only the given base URL (default: loopback) is contacted.
+as given). Then, for each ``--loads`` multiple, it sends the mix open-loop (Poisson arrivals at
+multiple x capacity, whatever the server answers) for ``--duration`` seconds (one value, or one per
+load), waits until every request has ended and the server is idle, and samples the server meanwhile
+(``soak_sample``). The mix: ``--long-share`` of ~1.5k-token prompts (``--long-chars``), the rest
+short; ``--stream-share`` streamed; ``--disconnect-share`` of clients that hang up early on
+purpose; every request asks for ``--max-tokens`` tokens (ignore_eos). It writes
+``<out-dir>/<label>.json`` (``provenance``: commit, date, machine, the exact command; capacity; the
+server's admission limits; per-interval records; per-load summaries; the checks of
+``soak_report.checks``) and ``<label>.png`` (``soak_plots``), prints the summaries and returns 0,
+or 1 when a request failed or hung or the server went down. Only the given base URL (default:
+loopback) is contacted.
 """
 
 from __future__ import annotations
@@ -254,8 +254,13 @@ async def _capacity(
     """The 1x rate (``requests_per_s``) and where it comes from: ``--capacity`` as given, or
     ``--utilization`` of the closed loop's completion rate (``throughput_per_s``)."""
     if args.capacity is not None:
-        given = {"requests_per_s": args.capacity, "throughput_per_s": None, "utilization": None}
-        return {**given, "measured": False, "closed_loop": {}}
+        return {
+            "requests_per_s": args.capacity,
+            "throughput_per_s": None,
+            "utilization": None,
+            "measured": False,
+            "closed_loop": {},
+        }
     start = time.perf_counter() - t0
     outs = await closed_loop(
         client, mix, args.capacity_concurrency, args.capacity_duration, t0, hard
