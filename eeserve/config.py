@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,35 @@ import torch
 
 from eeserve.exit_params import DRAFT_SOURCES
 
-EXIT_POLICIES = ("auto", "per_sequence", "batch_all", "none")
-KV_FILL_STRATEGIES = ("fill", "recompute")
-QUANTIZATIONS = ("int8",)
+
+class ExitPolicy(StrEnum):
+    """How the rows of one batch leave early (docs/design.md, "Batch policies"); ``none``: every
+    row runs every layer."""
+
+    AUTO = "auto"
+    PER_SEQUENCE = "per_sequence"
+    BATCH_ALL = "batch_all"
+    NONE = "none"
+
+
+class KVFill(StrEnum):
+    """How the K/V that an exited token skipped is paid: at once (``fill``), or recomputed by
+    the next pass that runs those layers (``recompute``)."""
+
+    FILL = "fill"
+    RECOMPUTE = "recompute"
+
+
+class Quantization(StrEnum):
+    INT8 = "int8"  # weight-only int8 projections and LM head
+
+
+# Their values, as command-line choices and in error messages.
+EXIT_POLICIES = tuple(p.value for p in ExitPolicy)
+# The policies that let rows leave (every one but ``none``).
+BATCH_POLICIES = tuple(p.value for p in ExitPolicy if p is not ExitPolicy.NONE)
+KV_FILL_STRATEGIES = tuple(f.value for f in KVFill)
+QUANTIZATIONS = tuple(q.value for q in Quantization)
 SPECULATIVE_DRAFTS = ("auto", *DRAFT_SOURCES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Positions per forward pass unless set: on two CPU cores a pass of 8 decode rows and a prompt
@@ -141,8 +168,10 @@ class EngineConfig:
             raise ValueError(
                 f"exit_policy must be one of {EXIT_POLICIES}, got {self.exit_policy!r}"
             )
+        self.exit_policy = ExitPolicy(self.exit_policy)
         if self.kv_fill not in KV_FILL_STRATEGIES:
             raise ValueError(f"kv_fill must be one of {KV_FILL_STRATEGIES}, got {self.kv_fill!r}")
+        self.kv_fill = KVFill(self.kv_fill)
         if self.speculative_draft not in SPECULATIVE_DRAFTS:
             raise ValueError(
                 f"speculative_draft must be one of {SPECULATIVE_DRAFTS}, "
@@ -157,6 +186,8 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}"
             )
+        if self.quantization is not None:
+            self.quantization = Quantization(self.quantization)
 
     def batched_tokens(self) -> int:
         """``max_num_batched_tokens``, or its default for ``max_num_seqs``."""

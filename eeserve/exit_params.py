@@ -7,6 +7,7 @@ the engine resolves it against the model's exit config (``engine.plan.resolve_ex
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 # Measures every exit sidecar supports (``classifier`` needs its probes).
 BASE_MEASURES = ("softmax_margin", "max_prob", "hidden_cosine", "classifier")
@@ -16,10 +17,28 @@ LOGIT_MEASURES = ("softmax_margin", "max_prob")
 # softmax over K rows overstates a token's probability, so their thresholds are their own.
 SHORTLIST_MEASURES = ("shortlist_margin", "shortlist_max_prob")
 MEASURES = (*BASE_MEASURES, *SHORTLIST_MEASURES)
-MODES = ("exit", "speculative")
-# What drafts in ``speculative`` mode (``EngineConfig.speculative_draft``, also "auto";
-# ``ExitConfig.default_draft``): the exit heads, or an int8 copy of the model's own weights.
-DRAFT_SOURCES = ("exits", "int8")
+
+
+class ExitMode(StrEnum):
+    """``exit``: a confident token is final. ``speculative``: it is a draft that the layers
+    above verify, so the output equals full depth's."""
+
+    EXIT = "exit"
+    SPECULATIVE = "speculative"
+
+
+class DraftSource(StrEnum):
+    """What drafts in ``speculative`` mode (``EngineConfig.speculative_draft``, which also takes
+    "auto"; ``ExitConfig.default_draft``): the exit heads, or an int8 copy of the model's own
+    weights at full depth."""
+
+    EXITS = "exits"
+    INT8 = "int8"
+
+
+# Their values, as command-line choices and in error messages.
+MODES = tuple(m.value for m in ExitMode)
+DRAFT_SOURCES = tuple(d.value for d in DraftSource)
 # Most drafts before a verification in ``speculative`` mode when a request does not say.
 DEFAULT_NUM_DRAFT_TOKENS = 4
 
@@ -40,8 +59,10 @@ class ExitParams:
     num_draft_tokens: int | None = None  # speculative: most drafts before a verification
 
     def __post_init__(self) -> None:
-        if self.mode is not None and self.mode not in MODES:
-            raise ValueError(f"ExitParams.mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode is not None:
+            if self.mode not in MODES:
+                raise ValueError(f"ExitParams.mode must be one of {MODES}, got {self.mode!r}")
+            self.mode = ExitMode(self.mode)
         n = self.num_draft_tokens
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64):
             raise ValueError(

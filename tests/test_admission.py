@@ -34,7 +34,8 @@ from eeserve.server.admission import (
     resolve_limits,
 )
 from eeserve.server.app import create_app
-from eeserve.server.engine_loop import ChoiceSpec, EngineLoop
+from eeserve.server.engine_loop import EngineLoop
+from eeserve.server.engine_requests import ChoiceSpec
 from eeserve.server.generation import DeadlineExceeded
 from eeserve.server.metrics import ServerMetrics
 from tests.live_server import Server
@@ -340,7 +341,8 @@ def test_request_timeout_field_is_validated(server: Server, value: Any) -> None:
 
 
 def test_soak_starts_the_server_below_its_own_priority() -> None:
-    from eeserve.bench.soak import add_soak_parser, server_command
+    from eeserve.bench.soak import add_soak_parser
+    from eeserve.bench.soak_server import server_command
 
     parser = argparse.ArgumentParser()
     add_soak_parser(parser.add_subparsers())

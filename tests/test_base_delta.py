@@ -26,8 +26,9 @@ from eeserve.models.exit_heads import (
 )
 from eeserve.models.loader import load_model
 from eeserve.tuning import delta_train as base_delta_mod
-from eeserve.tuning.data import Group, collect
+from eeserve.tuning.data import collect
 from eeserve.tuning.delta_train import attach_adapters, train_base_delta
+from eeserve.tuning.groups import Group
 from eeserve.tuning.heads import init_heads
 from eeserve.tuning.tune import tune
 from tests.tiny_model import add_base_delta, hf_greedy, load_hf, make_llm, tiny_tune_options

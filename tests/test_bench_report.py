@@ -108,7 +108,7 @@ def test_time_budget_stops_further_repeats() -> None:
     import time
 
     from eeserve.bench.measure import Run
-    from eeserve.bench.report_run import Block, run_blocks
+    from eeserve.bench.report_blocks import Block, run_blocks
 
     class Bar:
         def set_postfix_str(self, s: str, refresh: bool = True) -> None:

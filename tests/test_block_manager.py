@@ -317,7 +317,7 @@ def test_blocks_with_kv_debt_are_not_cached() -> None:
         run_pass(bm, s, 40 + t, exit_layer=2 if t == 1 else L)
         bm.append_slot(s)
         if t == 1:
-            s.kv_debt[6] = 2  # position 6 (block 1) has K/V up to layer 2 only: still owed
+            s.owed = (6,)  # position 6 (block 1) has K/V up to some layer only: still owed
     other = clone(s, "b")
     bm.free(s)
     bm.allocate(other)

@@ -1,5 +1,15 @@
-"""The package stays small enough to hold in one's head: no module over 400 lines, no function
-over 60 (decorators and docstring included). Walks the source with ``ast``; nothing is imported."""
+"""Size by meaning: the package stays small enough to hold in one's head, and its sizes follow
+what the code means, not a count to be met by cramming.
+
+- No line of ``eeserve/**/*.py`` runs over 100 characters, including the lines ruff's formatter
+  leaves long (strings, comments, ``# fmt: skip`` blocks).
+- Modules keep to about 400 lines as a guide; one may run to 500 where its parts belong
+  together, and none runs past that.
+- Functions keep to 60 lines (decorators and docstring included). No function is split only to
+  pass the count: where a part has no meaning of its own, the function is written plainly and
+  the count is the signal to look again, not a reason to pack lines.
+
+Walks the source with ``ast``; nothing is imported."""
 
 from __future__ import annotations
 
@@ -7,15 +17,16 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "eeserve"
-MAX_MODULE_LINES = 400
+MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
+MAX_LINE_CHARS = 100
 
 
 def _modules() -> list[Path]:
     return sorted(PKG.rglob("*.py"))
 
 
-def test_modules_are_at_most_400_lines() -> None:
+def test_modules_are_at_most_500_lines() -> None:
     long = {
         str(p.relative_to(PKG)): n
         for p in _modules()
@@ -34,3 +45,13 @@ def test_functions_are_at_most_60_lines() -> None:
                 if n > MAX_FUNCTION_LINES:
                     long[f"{p.relative_to(PKG)}:{node.lineno} {node.name}"] = n
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_lines_are_at_most_100_characters() -> None:
+    long = [
+        f"{p.relative_to(PKG)}:{i} ({len(line)})"
+        for p in _modules()
+        for i, line in enumerate(p.read_text().splitlines(), start=1)
+        if len(line) > MAX_LINE_CHARS
+    ]
+    assert not long, f"lines over {MAX_LINE_CHARS} characters: {long}"

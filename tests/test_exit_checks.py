@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from eeserve import SamplingParams
+from eeserve.engine import exit_loop
+from eeserve.engine.kernel_route import CheckRoute
 from eeserve.exit_params import ExitParams
 from eeserve.models.loader import load_model
 from tests.tiny_gemma3 import build_tiny_gemma3
@@ -133,7 +135,8 @@ def test_checks_inside_the_layer_call_decide_as_checks_apart(
     prompts = ["a b c", "x", "the quick brown", "1 2"]
     inside = llm.generate(prompts, GREEDY, use_tqdm=False, exit_params=params)
     assert calls, "the decode steps' checks ran inside the layer call"
-    monkeypatch.setattr(loop, "_stacked_measure", lambda *a: None)
+    kept_apart = CheckRoute(why_not="the test keeps the checks apart")
+    monkeypatch.setattr(exit_loop, "route_checks", lambda **_: kept_apart)
     apart = llm.generate(prompts, GREEDY, use_tqdm=False, exit_params=params)
     a_out, b_out = [c.outputs[0] for c in inside], [c.outputs[0] for c in apart]
     assert [c.token_ids for c in a_out] == [c.token_ids for c in b_out]

@@ -11,7 +11,7 @@ import pytest
 from eeserve import LLM, EngineConfig, SamplingParams
 from eeserve.cli import main
 from eeserve.engine.speculator import INT8_DRAFT_MAX_BATCH
-from eeserve.exit_params import ExitParams
+from eeserve.exit_params import DraftSource, ExitParams
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import save_sidecar
 from tests.distribution_checks import sample_in_batches, second_token_chi_square
@@ -133,12 +133,13 @@ def test_kv_after_verification_equals_full_depth(varied_dir: Path) -> None:
         if not engine.scheduler.running:
             break
         (seq,) = engine.scheduler.running
-        if seq.num_draft_tokens:
+        if seq.num_drafts:
             drafted += 1
             # A drafted position is owed from layer 1: its K/V so far are the int8 copy's.
-            assert all(seq.kv_debt[p] == 0 for p in seq.kv_debt) and seq.kv_debt
+            owed = engine.runner.requests[seq.seq_id].owed
+            assert seq.owed and all(owed[p].layer == 0 for p in seq.owed)
         elif len(seq.output_token_ids) > 1:
-            assert not seq.kv_debt
+            assert not seq.owed
             assert_cache_matches_hf(engine, seq, varied_dir)
             checks += 1
     assert checks >= 2 and drafted >= 2
@@ -240,10 +241,12 @@ def test_auto_takes_the_models_default_draft(varied_dir: Path, tmp_path: Path) -
 
 def test_draft_ids_exit_drafts_take_an_id_prefix_int8_drafts_the_shortlist() -> None:
     cfg = ExitConfig(L, [1], draft_vocab=2, int8_draft_vocab=3, shortlist=[9, 4, 7, 1])
-    assert cfg.draft_ids(10, int8=False) == [0, 1]
-    assert cfg.draft_ids(10, int8=True) == [9, 4, 7]
-    assert ExitConfig(L, [1], shortlist=[9]).draft_ids(10, int8=True) is None  # 0: every id
-    assert ExitConfig(L, [1], draft_vocab=10).draft_ids(10, int8=False) is None  # all of them
+    assert cfg.draft_ids(10, DraftSource.EXITS) == [0, 1]
+    assert cfg.draft_ids(10, DraftSource.INT8) == [9, 4, 7]
+    assert ExitConfig(L, [1], shortlist=[9]).draft_ids(10, DraftSource.INT8) is None  # 0: every id
+    assert (
+        ExitConfig(L, [1], draft_vocab=10).draft_ids(10, DraftSource.EXITS) is None
+    )  # all of them
     with pytest.raises(ValueError, match="int8_draft_vocab 3 needs a shortlist"):
         ExitConfig(L, [1], int8_draft_vocab=3, shortlist=[9, 4])
 

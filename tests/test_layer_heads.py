@@ -19,7 +19,8 @@ from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import ExitHeads, load_exit_setup, load_sidecar, save_sidecar
 from eeserve.models.llama import apply_rotary
 from eeserve.models.loader import load_model
-from eeserve.tuning.data import Group, collect
+from eeserve.tuning.data import collect
+from eeserve.tuning.groups import Group
 from eeserve.tuning.heads import init_heads, tune_layers
 from eeserve.tuning.options import TuneOptions
 from eeserve.tuning.tune import tune

@@ -18,7 +18,7 @@ from eeserve import LLM, SamplingParams
 from eeserve.cli import main
 from eeserve.engine.layer_cost import ROWS, LayerCost, layer_cost
 from eeserve.engine.policy import decide
-from eeserve.exit_params import ExitParams
+from eeserve.exit_params import DraftSource, ExitParams
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import load_sidecar, save_sidecar
 from eeserve.tuning.prompts import prompt_texts
@@ -221,7 +221,7 @@ def test_shortlist_command_ranks_what_the_model_produces(
     assert found is not None
     ids = found[0].shortlist
     assert len(ids) == len(set(ids)) == 24
-    assert found[0].draft_ids(10**6, int8=True) == ids[:16]
+    assert found[0].draft_ids(10**6, DraftSource.INT8) == ids[:16]
     llm = make_llm(folder, exit_policy="per_sequence", enable_prefix_caching=False)
     texts = prompt_texts(6, 0, "tune")
     sp = SamplingParams(max_tokens=8, temperature=0.0)

@@ -534,7 +534,7 @@ def test_build_engine_loads_off_the_calling_thread_and_raises_its_errors(
     from eeserve.config import EngineConfig
     from eeserve.engine import llm_engine
     from eeserve.sampling_params import SamplingParams
-    from eeserve.server.engine_loop import build_engine
+    from eeserve.server.startup import build_engine
 
     threads: list[str] = []
     real = llm_engine.LLMEngine.__init__
@@ -560,7 +560,9 @@ def test_engine_loop_drain_fails_running_requests(tiny_model_dir: Path) -> None:
     from eeserve.config import EngineConfig
     from eeserve.engine.llm_engine import LLMEngine
     from eeserve.sampling_params import SamplingParams
-    from eeserve.server.engine_loop import ChoiceSpec, EngineLoop, GenerationError, ShuttingDown
+    from eeserve.server.engine_loop import EngineLoop, ShuttingDown
+    from eeserve.server.engine_requests import ChoiceSpec
+    from eeserve.server.generation import GenerationError
     from eeserve.server.metrics import ServerMetrics
 
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=4_000_000))

@@ -142,8 +142,8 @@ def test_kv_after_verification_equals_full_depth(agreeing_dir: Path) -> None:
         if not engine.scheduler.running:
             break
         (seq,) = engine.scheduler.running
-        if seq.num_draft_tokens == 0 and len(seq.output_token_ids) > 1:
-            assert not seq.kv_debt
+        if seq.num_drafts == 0 and len(seq.output_token_ids) > 1:
+            assert not seq.owed
             assert_cache_matches_hf(engine, seq, agreeing_dir)
             verified_checks += 1
     assert verified_checks >= 2

@@ -17,7 +17,7 @@ import torch
 
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.engine.plan import ExitPlan
-from eeserve.exit_params import ExitParams
+from eeserve.exit_params import ExitMode, ExitParams
 from eeserve.sampling_params import SamplingParams
 from eeserve.tuning.teacher_forced import (
     ScoredText,
@@ -120,11 +120,13 @@ def test_a_plan_it_cannot_score_is_an_error(llm) -> None:  # type: ignore[no-unt
     engine = llm.engine
     scores = collect_scores(engine, _texts(engine), ["max_prob"], layers=[2])
     with pytest.raises(ValueError, match="the plan needs"):
-        evaluate(scores, ExitPlan("max_prob", {1: 0.5, 2: 0.5}))
+        evaluate(scores, ExitPlan(measure="max_prob", thresholds={1: 0.5, 2: 0.5}))
     with pytest.raises(ValueError, match="the plan needs"):
-        evaluate(scores, ExitPlan("classifier", {2: 0.5}))
+        evaluate(scores, ExitPlan(measure="classifier", thresholds={2: 0.5}))
     with pytest.raises(ValueError, match="full depth's"):
-        evaluate(scores, ExitPlan("max_prob", {2: 0.5}, mode="speculative"))
+        evaluate(
+            scores, ExitPlan(measure="max_prob", thresholds={2: 0.5}, mode=ExitMode.SPECULATIVE)
+        )
     with pytest.raises(ValueError, match="no text"):
         collect_scores(engine, [ScoredText([1, 2], 2)], ["max_prob"])
 

@@ -16,7 +16,8 @@ from eeserve.cli import main as cli_main
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import build_exit_heads, load_exit_setup, load_sidecar, save_sidecar
 from eeserve.models.loader import load_model, packaged_sidecar
-from eeserve.tuning.data import Group, collect, text_groups
+from eeserve.tuning.data import collect
+from eeserve.tuning.groups import Group, text_groups
 from eeserve.tuning.heads import init_heads, train_head, tune_layers
 from eeserve.tuning.options import TuneOptions
 from eeserve.tuning.tune import tune

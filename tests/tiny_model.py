@@ -236,7 +236,7 @@ def step_until_debt(engine: Any, prompt: list[int], exit_params: Any, tokens: in
     while True:
         engine.step()
         (seq,) = engine.scheduler.running
-        seen_debt |= bool(seq.kv_debt)
+        seen_debt |= bool(seq.owed)
         if len(seq.output_token_ids) == tokens:
             break
     assert seen_debt, "no token exited: weak test"
@@ -258,10 +258,12 @@ def assert_cache_matches_hf(engine: Any, seq: Any, model_dir: Path, owed_extra: 
     ref = hf_keys_values(model_dir, seq.token_ids[: seq.num_computed_tokens])
     bs = engine.block_manager.block_size
     kv = engine.runner.kv
+    owed = engine.runner.requests[seq.seq_id].owed
+    assert set(owed) == set(seq.owed), "the engine's owed positions are the runner's"
     checked = 0
     for pos in range(seq.num_computed_tokens):
         slot = seq.block_table[pos // bs] * bs + pos % bs
-        depth = seq.kv_debt[pos] + owed_extra if pos in seq.kv_debt else len(ref)
+        depth = owed[pos].layer + owed_extra if pos in owed else len(ref)
         for layer in range(depth):
             torch.testing.assert_close(kv.k[layer, slot], ref[layer][0][pos], atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(kv.v[layer, slot], ref[layer][1][pos], atol=1e-5, rtol=1e-4)

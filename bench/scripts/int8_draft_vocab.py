@@ -20,7 +20,7 @@ from eeserve.bench.report_run import build_prompts
 from eeserve.config import EngineConfig
 from eeserve.engine.draft_model import int8_head
 from eeserve.engine.llm_engine import LLMEngine
-from eeserve.exit_params import ExitParams
+from eeserve.exit_params import DraftSource, ExitParams
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import load_sidecar
 from eeserve.models.loader import packaged_sidecar, resolve_model
@@ -43,7 +43,7 @@ weight = runner.model.lm_head.weight.detach()  # [V, D]
 heads = {
     n: int8_head(
         weight,
-        dataclasses.replace(exits, int8_draft_vocab=n).draft_ids(weight.shape[0], int8=True),
+        dataclasses.replace(exits, int8_draft_vocab=n).draft_ids(weight.shape[0], DraftSource.INT8),
         runner.native,
     )
     for n in sizes

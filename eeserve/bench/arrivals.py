@@ -109,10 +109,14 @@ def run_arrivals(args: argparse.Namespace) -> int:
     streams = prompt_texts(args.streams, args.seed, "bench", max_chars=args.prompt_chars)
     longs = long_prompt_texts(args.long_prompts, args.long_chars, args.seed)
     name = args.served_model_name or args.model
-    modes = {"as_is": ""} if args.base_url else {
-        "chunked": "--enable-chunked-prefill",
-        "unchunked": "--no-enable-chunked-prefill",
-    }  # fmt: skip
+    modes = (
+        {"as_is": ""}
+        if args.base_url
+        else {
+            "chunked": "--enable-chunked-prefill",
+            "unchunked": "--no-enable-chunked-prefill",
+        }
+    )
     rows = []
     for mode, flag in modes.items():
         run_args = copy.copy(args)

@@ -139,8 +139,11 @@ def build(version: str = LLAMACPP_VERSION) -> Path:
     with tempfile.TemporaryDirectory(dir=home.parent, prefix=f".build-{version}-") as name:
         tmp = Path(name)
         log = tmp / "build.log"
-        print(f"building llama.cpp from llama-cpp-python {version} (CPU, once; log {log})",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"building llama.cpp from llama-cpp-python {version} (CPU, once; log {log})",
+            file=sys.stderr,
+            flush=True,
+        )
         src = _vendored_source(tmp, version, log)
         build_dir = tmp / "build"
         _run(["cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_FLAGS], log, "cmake configure")

@@ -45,24 +45,37 @@ def batched_bench_command(
     ctx = max(batches) * (prompt_len + new_tokens)  # every sequence's own KV: no skipped cell
     return [
         str(tool),
-        "-m", str(gguf),
-        "-t", str(threads),
-        "-tb", str(threads),
-        "-c", str(ctx),
-        "-b", str(max(2048, max(batches) * prompt_len)),
-        "-npp", str(prompt_len),
-        "-ntg", str(new_tokens),
-        "-npl", ",".join(str(b) for b in batches),
-        "--output-format", "jsonl",
-    ]  # fmt: skip
+        "-m",
+        str(gguf),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-c",
+        str(ctx),
+        "-b",
+        str(max(2048, max(batches) * prompt_len)),
+        "-npp",
+        str(prompt_len),
+        "-ntg",
+        str(new_tokens),
+        "-npl",
+        ",".join(str(b) for b in batches),
+        "--output-format",
+        "jsonl",
+    ]
 
 
 def _from_json(line: str) -> BatchedBenchRow:
     d = json.loads(line)
     return BatchedBenchRow(
-        int(d["pp"]), int(d["tg"]), int(d["pl"]), float(d["t_pp"]), float(d["t_tg"]),
+        int(d["pp"]),
+        int(d["tg"]),
+        int(d["pl"]),
+        float(d["t_pp"]),
+        float(d["t_tg"]),
         float(d["speed_tg"]),
-    )  # fmt: skip
+    )
 
 
 def _from_table(line: str) -> BatchedBenchRow | None:

@@ -8,13 +8,13 @@ Q4_1, ``gemma3-270m``'s Q4_K_M). Each round, for each batch size, runs back to b
 same thread count, prompt length and decode steps (``bench.llamacpp_native`` says how the two
 are timed alike): llama.cpp F32, eeserve float32, llama.cpp Q8_0, eeserve int8, eeserve's
 default mode (speculative, lossless against float32), llama.cpp on the model's own GGUF; every
-timed run follows an untimed pause so that one runner's spinning threads
-are not charged to the next. Before each round a streaming-read probe measures the memory
-bandwidth (``bench.roofline``). ``bench.peer_summary`` turns the rounds into the median and
-spread of the per-round ratios and, at batch 1, each runner's fraction of its roofline. Beside
-them: greedy token agreement and ROUGE-L of int8 and of the default mode against float32, and
-held-out perplexity of float32 and int8. Without cmake or a compiler the section is skipped and
-says what is missing.
+timed run follows an untimed pause so that one runner's spinning threads are not charged to the
+next. Before each round a streaming-read probe measures the memory bandwidth
+(``bench.roofline``). ``bench.peer_summary`` turns the rounds into the median and spread of the
+per-round ratios and, at batch 1, each runner's fraction of its roofline. Beside them: greedy
+token agreement and ROUGE-L of int8 and of the default mode against float32, and held-out
+perplexity of float32 and int8. Without cmake or a compiler the section is skipped and says what
+is missing.
 """
 
 from __future__ import annotations
@@ -53,9 +53,7 @@ ENGINES: dict[str, tuple[dict[str, Any], str]] = {
 }
 # One round at one batch size, in this order: each engine right after the peer it is held to;
 # then llama.cpp on the model's own GGUF, if any.
-ORDER = (
-    "llama.cpp F32", "eeserve float32", "llama.cpp Q8_0", "eeserve int8", "eeserve default",
-)  # fmt: skip
+ORDER = ("llama.cpp F32", "eeserve float32", "llama.cpp Q8_0", "eeserve int8", "eeserve default")
 PAIRS: list[Pair] = [
     ("eeserve float32", "llama.cpp F32"),
     ("eeserve int8", "llama.cpp Q8_0"),
@@ -136,15 +134,33 @@ def _round(runners: dict[str, Runner], batches: list[int], order: list[str]) -> 
 
 
 def _engine_runner(
-    engine: LLMEngine, label: str, prompts: list[list[int]], max_tokens: int,
+    engine: LLMEngine,
+    label: str,
+    prompts: list[list[int]],
+    max_tokens: int,
     last: dict[tuple[str, int], Run],
-) -> Runner:  # fmt: skip
+) -> Runner:
     def run(batch: int) -> float:
         res = run_engine(engine, prompts[:batch], max_tokens)
         last[(label, batch)] = res  # the latest outputs, for the quality columns
         return res.decode_tokens_per_s
 
     return run
+
+
+def _rounds(
+    runners: dict[str, Runner], batches: list[int], order: list[str], threads: int, repeats: int
+) -> tuple[list[Round], list[float]]:
+    """``repeats`` rounds, each after a probe of the read bandwidth (bytes/s) it ran at."""
+    rounds: list[Round] = []
+    bandwidths: list[float] = []
+    for i in range(repeats):
+        bandwidths.append(read_bandwidth(threads))
+        print(
+            f"round {i + 1}/{repeats}: read bandwidth {bandwidths[-1] / 1e9:.1f} GB/s", flush=True
+        )
+        rounds.append(_round(runners, batches, order))
+    return rounds, bandwidths
 
 
 def _quality(last: dict[tuple[str, int], Run], batches: list[int], tok: Any) -> dict[str, Any]:
@@ -187,13 +203,7 @@ def bench_peer(args: argparse.Namespace) -> dict[str, Any]:
         for b in batches:  # warm-up: kernels built, caches touched, every batch shape seen once
             run_engine(engine, prompts[:b], 4)
         runners[label] = _engine_runner(engine, label, prompts, args.max_tokens, last)
-    rounds: list[Round] = []
-    bandwidths: list[float] = []
-    for i in range(args.repeats):
-        bandwidths.append(read_bandwidth(threads))
-        print(f"round {i + 1}/{args.repeats}: read bandwidth {bandwidths[-1] / 1e9:.1f} GB/s",
-              flush=True)  # fmt: skip
-        rounds.append(_round(runners, batches, order))
+    rounds, bandwidths = _rounds(runners, batches, order, threads, args.repeats)
     nbytes = {f"llama.cpp {fmt}": gguf_bytes_per_token(path) for fmt, path in ggufs.items()}
     nbytes |= _engine_bytes(folder, engines)
     rows = summarise(rounds, pairs)

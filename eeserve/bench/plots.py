@@ -42,12 +42,18 @@ def frontier(results: dict[str, Any], path: Path) -> Path:
                 star = r["source"] != "sweep"
                 if star:
                     ax.plot(r[key], r["ratio"], "*", ms=14, color=line.get_color())
-                ax.annotate(f"{r['threshold']:g}", (r[key], r["ratio"]), fontsize=7,
-                            xytext=(3, 3), textcoords="offset points")  # fmt: skip
+                ax.annotate(
+                    f"{r['threshold']:g}",
+                    (r[key], r["ratio"]),
+                    fontsize=7,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                )
         ax.axhline(1.0, color="black", ls="--", lw=1)
         ax.plot([1.0], [1.0], "ks")
-        ax.annotate("full depth", (1.0, 1.0), fontsize=8, xytext=(-50, -12),
-                    textcoords="offset points")  # fmt: skip
+        ax.annotate(
+            "full depth", (1.0, 1.0), fontsize=8, xytext=(-50, -12), textcoords="offset points"
+        )
         ax.set_xlabel(f"{label} vs full-depth text")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("decode speed / full depth")
@@ -141,14 +147,19 @@ def paper_sweep(results: dict[str, Any], path: Path) -> Path:
     axes = fig.subplots(2, max(1, len(batches)), squeeze=False)
     for col, b in enumerate(batches):
         for row, (key, label) in enumerate(
-            (("rouge_l", "ROUGE-L vs full-depth text"),
-             ("ppl_ratio", "held-out perplexity / full depth's (teacher-forced)"))
-        ):  # fmt: skip
+            (
+                ("rouge_l", "ROUGE-L vs full-depth text"),
+                ("ppl_ratio", "held-out perplexity / full depth's (teacher-forced)"),
+            )
+        ):
             ax = axes[row][col]
             for i, policy in enumerate(sweep["policies"]):
                 for marker, measure in zip("os^Dv", measures):
-                    pts = [r for r in sweep["rows"] if (r["batch"], r["policy"], r["measure"])
-                           == (b, policy, measure)]  # fmt: skip
+                    pts = [
+                        r
+                        for r in sweep["rows"]
+                        if (r["batch"], r["policy"], r["measure"]) == (b, policy, measure)
+                    ]
                     pts.sort(key=lambda r: -r["threshold"])
                     xs = [r[key] for r in pts]
                     color = f"C{i}"
@@ -156,8 +167,13 @@ def paper_sweep(results: dict[str, Any], path: Path) -> Path:
                     ax.plot(xs, [r["ratio"] for r in pts], marker=marker, color=color, label=name)
                     ax.plot(xs, [r["ideal_pass"] for r in pts], "x--", color=color, lw=1)
                     for r in pts:
-                        ax.annotate(f"{r['threshold']:g}", (r[key], r["ratio"]), fontsize=6,
-                                    xytext=(3, 3), textcoords="offset points")  # fmt: skip
+                        ax.annotate(
+                            f"{r['threshold']:g}",
+                            (r[key], r["ratio"]),
+                            fontsize=6,
+                            xytext=(3, 3),
+                            textcoords="offset points",
+                        )
             ax.axhline(1.0, color="black", ls=":", lw=1)
             ax.set_xlabel(label, fontsize=8)
             ax.set_title(f"batch {b}", fontsize=9)

@@ -40,6 +40,7 @@ from typing import Any
 from tqdm import tqdm
 
 from eeserve.bench.plots import plot_all
+from eeserve.bench.report_blocks import run_blocks
 from eeserve.bench.report_config import (
     PAPER_TEXT_SOURCES,
     ReportConfig,
@@ -49,7 +50,7 @@ from eeserve.bench.report_config import (
 from eeserve.bench.report_md import render
 from eeserve.bench.report_paper import paper_blocks, paper_quality, paper_rows, paper_warm_up
 from eeserve.bench.report_peer import Peer, open_peer, peer_blocks, peer_rows
-from eeserve.bench.report_run import ReportRun, run_blocks
+from eeserve.bench.report_run import ReportRun
 from eeserve.bench.report_spec import speculative_blocks, speculative_rows
 from eeserve.bench.report_spec import warm_up as spec_warm_up
 from eeserve.tuning.provenance import git_revision

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from eeserve.engine.policy import POLICIES
+from eeserve.config import BATCH_POLICIES
 from eeserve.exit_params import DRAFT_SOURCES
 
 
@@ -135,7 +135,7 @@ def config_from_args(args: argparse.Namespace) -> ReportConfig:
         sections=_names(args.sections, SECTIONS, "--sections"),
         num_draft_tokens=[int(n) for n in args.num_draft_tokens.split(",")],
         speculative_drafts=_names(args.speculative_drafts, DRAFT_SOURCES, "--speculative-drafts"),
-        paper_policies=_names(args.paper_policies, POLICIES, "--paper-policies"),
+        paper_policies=_names(args.paper_policies, BATCH_POLICIES, "--paper-policies"),
         paper_measures=args.paper_measures.split(",") if args.paper_measures else None,
         paper_thresholds=parse_paper_thresholds(args.paper_thresholds),
         paper_texts=args.paper_texts if args.paper_texts is not None else base.paper_texts,

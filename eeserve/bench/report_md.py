@@ -48,27 +48,45 @@ def setup_section(results: dict[str, Any]) -> str:
         f"{c.get('measure')} δ={c.get('delta')}: {c.get('threshold')}" for c in xc["calibration"]
     )
     rows = [
-        ["machine", f"{m['platform']}; {m['processor']}; {m['os_cpu_count']} CPUs visible, "
-         f"{m['torch_threads']} torch threads; torch {m['torch']}; device {m['device']}"
-         + (f" ({m['cuda']})" if m.get("cuda") else "")],
-        ["load average (1 min)", f"{load.get('start')} at the start, {load.get('end')} at the end "
-         f"(other work on the machine; {m['os_cpu_count']} CPUs)"],
+        [
+            "machine",
+            f"{m['platform']}; {m['processor']}; {m['os_cpu_count']} CPUs visible, "
+            f"{m['torch_threads']} torch threads; torch {m['torch']}; device {m['device']}"
+            + (f" ({m['cuda']})" if m.get("cuda") else ""),
+        ],
+        [
+            "load average (1 min)",
+            f"{load.get('start')} at the start, {load.get('end')} at the end "
+            f"(other work on the machine; {m['os_cpu_count']} CPUs)",
+        ],
         ["code", f"eeserve {meta.get('git_revision') or 'unknown revision'}"],
         ["model", f"`{meta['model']}` ({meta['num_layers']} layers), `{meta['model_path']}`"],
         ["dtype", meta["dtype"]],
-        ["exit heads", f"{xc['head']} head, exit layers {xc['exit_layers']}, classifier probes "
-         f"{'yes' if xc['classifier'] else 'no'}, default measure `{xc['default_measure']}`, "
-         f"thresholds {xc['thresholds'] or 'none'}, calibration {cal or 'none'}"],
-        ["prompts", f"{p['count']} prompts from `{p['source']}(split={p['split']!r}, "
-         f"seed={p['seed']})`, {p['format']} format, {p['tokens_min']}–{p['tokens_max']} tokens "
-         f"(median {p['tokens_median']:g})"],
-        ["generation", f"greedy, EOS ignored: {meta['max_tokens']} new tokens per request; "
-         f"median of {_repeats(meta)} interleaved repeat(s)"],
-        ["batch sizes", ", ".join(map(str, meta["batch_sizes"]))
-         + (f" (skipped, not enough memory: {skipped})" if skipped else "")],
+        [
+            "exit heads",
+            f"{xc['head']} head, exit layers {xc['exit_layers']}, classifier probes "
+            f"{'yes' if xc['classifier'] else 'no'}, default measure `{xc['default_measure']}`, "
+            f"thresholds {xc['thresholds'] or 'none'}, calibration {cal or 'none'}",
+        ],
+        [
+            "prompts",
+            f"{p['count']} prompts from `{p['source']}(split={p['split']!r}, "
+            f"seed={p['seed']})`, {p['format']} format, {p['tokens_min']}–{p['tokens_max']} tokens "
+            f"(median {p['tokens_median']:g})",
+        ],
+        [
+            "generation",
+            f"greedy, EOS ignored: {meta['max_tokens']} new tokens per request; "
+            f"median of {_repeats(meta)} interleaved repeat(s)",
+        ],
+        [
+            "batch sizes",
+            ", ".join(map(str, meta["batch_sizes"]))
+            + (f" (skipped, not enough memory: {skipped})" if skipped else ""),
+        ],
         ["operating point", _op(meta)],
         ["wall time", ", ".join(f"{k} {v:.0f} s" for k, v in meta["wall_s"].items())],
-    ]  # fmt: skip
+    ]
     return "## Setup\n\n" + _table(["", ""], rows)
 
 
@@ -173,17 +191,33 @@ def frontier_section(results: dict[str, Any], plot: str | None) -> str:
 
 def hf_section(results: dict[str, Any], plot: str | None) -> str:
     rows = [
-        [str(r["batch"]), f"{r['decode_tok_s']:.1f}", f"{r['itl_ms']:.1f}",
-         f"{r['engine_full_decode_tok_s']:.1f}", _ratio(r["engine_vs_hf"]),
-         f"{r['token_agreement_engine_vs_hf']:.3f}"]
+        [
+            str(r["batch"]),
+            f"{r['decode_tok_s']:.1f}",
+            f"{r['itl_ms']:.1f}",
+            f"{r['engine_full_decode_tok_s']:.1f}",
+            _ratio(r["engine_vs_hf"]),
+            f"{r['token_agreement_engine_vs_hf']:.3f}",
+        ]
         for r in results["hf"]
-    ]  # fmt: skip
+    ]
     img = f"![throughput]({plot})\n\n" if plot else ""
     text = "HF transformers `generate` (greedy, left-padded batch) on the same weights and prompts."
-    table = _table(
-        ["batch", "HF tok/s", "HF ITL ms", "engine full-depth tok/s", "engine / HF",
-         "token agreement engine vs HF"], rows,
-    ) if rows else "(HF baseline not run: `--no-hf`)"  # fmt: skip
+    table = (
+        _table(
+            [
+                "batch",
+                "HF tok/s",
+                "HF ITL ms",
+                "engine full-depth tok/s",
+                "engine / HF",
+                "token agreement engine vs HF",
+            ],
+            rows,
+        )
+        if rows
+        else "(HF baseline not run: `--no-hf`)"
+    )
     return f"## 3. Baseline: HF transformers\n\n{img}{text}\n\n{table}"
 
 

@@ -36,7 +36,8 @@ from functools import partial
 from typing import Any
 
 from eeserve.bench.measure import Run, quality_vs
-from eeserve.bench.report_run import Block, Job, ReportRun, build_prompts
+from eeserve.bench.report_blocks import Block, Job
+from eeserve.bench.report_run import ReportRun, build_prompts
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.exit_params import ExitParams
 from eeserve.models.cost import CostModel
@@ -76,8 +77,11 @@ def counted_run(
     run = CountedRun(tokens_per_s=0.0, mean_itl_ms=0.0)
     while engine.has_unfinished_requests():
         decoding = len(first) == len(prompts)
-        passes, layers, rows = (engine.stats.passes, engine.stats.layer_passes,
-                                engine.stats.row_layers)  # fmt: skip
+        passes, layers, rows = (
+            engine.stats.passes,
+            engine.stats.layer_passes,
+            engine.stats.row_layers,
+        )
         outs = engine.step()
         now = time.perf_counter()
         if decoding and engine.stats.passes > passes:
@@ -221,23 +225,39 @@ def paper_rows(run: ReportRun, blocks: list[Block], quality: dict[str, Any]) -> 
         med, b = block.median(), block.batch
         full = med["full"]
         assert isinstance(full, CountedRun)
-        full_rows.append({"batch": b, "decode_tok_s": full.decode_tokens_per_s,
-                          "itl_ms": full.mean_itl_ms, **_counts(full, n)})  # fmt: skip
+        full_rows.append(
+            {
+                "batch": b,
+                "decode_tok_s": full.decode_tokens_per_s,
+                "itl_ms": full.mean_itl_ms,
+                **_counts(full, n),
+            }
+        )
         for policy in run.paper_engines:
             for m, t in settings(run):
                 r = med[_key(policy, m, t)]
                 assert isinstance(r, CountedRun)
                 agree, rouge = quality_vs(full, r, run.tokenizer)
                 tf = quality["points"][f"{m}@{t:g}"]
-                rows.append({
-                    "batch": b, "policy": policy, "kv_fill": "fill", "measure": m,
-                    "threshold": t, "decode_tok_s": r.decode_tokens_per_s,
-                    "full_decode_tok_s": full.decode_tokens_per_s,
-                    "ratio": r.decode_tokens_per_s / full.decode_tokens_per_s,
-                    "itl_ms": r.mean_itl_ms, "token_agreement": agree, "rouge_l": rouge,
-                    "ppl_ratio": tf["ratio"], "argmax_agreement": tf["argmax_agreement"],
-                    **_counts(r, n), **ideals(run, r, cm),
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "batch": b,
+                        "policy": policy,
+                        "kv_fill": "fill",
+                        "measure": m,
+                        "threshold": t,
+                        "decode_tok_s": r.decode_tokens_per_s,
+                        "full_decode_tok_s": full.decode_tokens_per_s,
+                        "ratio": r.decode_tokens_per_s / full.decode_tokens_per_s,
+                        "itl_ms": r.mean_itl_ms,
+                        "token_agreement": agree,
+                        "rouge_l": rouge,
+                        "ppl_ratio": tf["ratio"],
+                        "argmax_agreement": tf["argmax_agreement"],
+                        **_counts(r, n),
+                        **ideals(run, r, cm),
+                    }
+                )
     return {
         "policies": list(run.paper_engines),
         "settings": [{"measure": m, "threshold": t} for m, t in settings(run)],

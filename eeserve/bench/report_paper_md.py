@@ -21,12 +21,31 @@ ROUGE_BAR = 0.9  # the second bar: the greedy text against full depth's
 # paper reports up to 1.25x; at 32 rows a layer costs more per row, so less is left to gain).
 TARGETS = {1: 1.25, 32: 1.15}
 
-_HEAD = ["policy", "measure", "threshold", "tok/s", "speed", "ideal (pass)", "ideal (token)",
-         "ROUGE-L", "ppl ratio", "exit layer", "layers/iteration", "layers/token"]  # fmt: skip
+_HEAD = [
+    "policy",
+    "measure",
+    "threshold",
+    "tok/s",
+    "speed",
+    "ideal (pass)",
+    "ideal (token)",
+    "ROUGE-L",
+    "ppl ratio",
+    "exit layer",
+    "layers/iteration",
+    "layers/token",
+]
 
 
-_TF_HEAD = ["measure", "threshold", "perplexity", "ratio", "mean exit layer", "exited",
-            "argmax = full depth"]  # fmt: skip
+_TF_HEAD = [
+    "measure",
+    "threshold",
+    "perplexity",
+    "ratio",
+    "mean exit layer",
+    "exited",
+    "argmax = full depth",
+]
 
 
 def _line(cells: list[str]) -> str:
@@ -39,17 +58,40 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 
 def _batch_table(sweep: dict[str, Any], b: int) -> str:
     full = next(r for r in sweep["full_depth"] if r["batch"] == b)
-    rows = [["full depth", "–", "–", f"{full['decode_tok_s']:.1f}", "1.00×", "1.00×", "1.00×",
-             "1.000", "1.000", f"{full['mean_exit_layer']:.1f}",
-             f"{full['layers_per_iteration']:.1f}", f"{full['layers_per_token']:.1f}"]]  # fmt: skip
+    rows = [
+        [
+            "full depth",
+            "–",
+            "–",
+            f"{full['decode_tok_s']:.1f}",
+            "1.00×",
+            "1.00×",
+            "1.00×",
+            "1.000",
+            "1.000",
+            f"{full['mean_exit_layer']:.1f}",
+            f"{full['layers_per_iteration']:.1f}",
+            f"{full['layers_per_token']:.1f}",
+        ]
+    ]
     for r in sweep["rows"]:
         if r["batch"] == b:
-            rows.append([r["policy"], r["measure"], f"{r['threshold']:g}",
-                         f"{r['decode_tok_s']:.1f}", f"**{r['ratio']:.2f}×**",
-                         f"{r['ideal_pass']:.2f}×", f"{r['ideal_token']:.2f}×",
-                         f"{r['rouge_l']:.3f}", f"{r['ppl_ratio']:.3f}",
-                         f"{r['mean_exit_layer']:.1f}", f"{r['layers_per_iteration']:.1f}",
-                         f"{r['layers_per_token']:.1f}"])  # fmt: skip
+            rows.append(
+                [
+                    r["policy"],
+                    r["measure"],
+                    f"{r['threshold']:g}",
+                    f"{r['decode_tok_s']:.1f}",
+                    f"**{r['ratio']:.2f}×**",
+                    f"{r['ideal_pass']:.2f}×",
+                    f"{r['ideal_token']:.2f}×",
+                    f"{r['rouge_l']:.3f}",
+                    f"{r['ppl_ratio']:.3f}",
+                    f"{r['mean_exit_layer']:.1f}",
+                    f"{r['layers_per_iteration']:.1f}",
+                    f"{r['layers_per_token']:.1f}",
+                ]
+            )
     return f"### Batch {b}\n\n" + _table(_HEAD, rows)
 
 
@@ -57,11 +99,18 @@ def _teacher_forced(sweep: dict[str, Any]) -> str:
     tf = sweep["teacher_forced"]
     t = tf["texts"]
     rows = [
-        [s["measure"], f"{s['threshold']:g}", f"{q['perplexity']:.3f}", f"{q['ratio']:.3f}",
-         f"{q['mean_exit_layer']:.2f}", f"{q['exited']:.1%}", f"{q['argmax_agreement']:.3f}"]
+        [
+            s["measure"],
+            f"{s['threshold']:g}",
+            f"{q['perplexity']:.3f}",
+            f"{q['ratio']:.3f}",
+            f"{q['mean_exit_layer']:.2f}",
+            f"{q['exited']:.1%}",
+            f"{q['argmax_agreement']:.3f}",
+        ]
         for s in sweep["settings"]
         for q in [tf["points"][f"{s['measure']}@{s['threshold']:g}"]]
-    ]  # fmt: skip
+    ]
     source = (
         f"the full-depth greedy continuations (EOS respected, ≤ {t['max_tokens']} tokens) of "
         f"{t['count']} `heldout` prompts, scored from their second token"
@@ -78,10 +127,12 @@ def _teacher_forced(sweep: dict[str, Any]) -> str:
 def _within(sweep: dict[str, Any], b: int, policy: str | None, bar: str) -> list[Row]:
     """Rows of batch ``b`` (one policy, or all) within the perplexity budget or the ROUGE-L bar."""
     return [
-        r for r in sweep["rows"]
-        if r["batch"] == b and policy in (None, r["policy"])
+        r
+        for r in sweep["rows"]
+        if r["batch"] == b
+        and policy in (None, r["policy"])
         and (r["ppl_ratio"] <= PPL_BUDGET if bar == "ppl" else r["rouge_l"] >= ROUGE_BAR)
-    ]  # fmt: skip
+    ]
 
 
 def _summary(sweep: dict[str, Any], bar: str) -> list[str]:

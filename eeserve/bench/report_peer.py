@@ -23,7 +23,8 @@ import torch
 
 from eeserve.bench import llamacpp
 from eeserve.bench.measure import Run, quality_vs
-from eeserve.bench.report_run import Block, Job, ReportRun
+from eeserve.bench.report_blocks import Block, Job
+from eeserve.bench.report_run import ReportRun
 from eeserve.exit_params import ExitParams
 
 LABEL = "llama.cpp F32"
@@ -45,8 +46,10 @@ class Peer:
 
 def open_peer(run: ReportRun) -> Peer:
     if run.device.type != "cpu" or run.dtype != torch.float32:
-        return Peer(skipped=f"llama.cpp F32 compares with float32 on CPU, not {run.dtype} on "
-                    f"{run.device.type}")  # fmt: skip
+        return Peer(
+            skipped=f"llama.cpp F32 compares with float32 on CPU, not {run.dtype} on "
+            f"{run.device.type}"
+        )
     if not llamacpp.available():
         return Peer(skipped=f"llama-cpp-python is not installed; {llamacpp.INSTALL_HINT}")
     f32 = llamacpp.f32_gguf(run.folder)

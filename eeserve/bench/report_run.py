@@ -1,38 +1,32 @@
 """The measuring half of ``eeserve bench report`` (see ``bench.report`` for the contract).
 
 Contract: ``ReportRun(cfg)`` loads one engine per exit policy and KV-debt strategy that its
-sections use (``engine_keys``; prefix caching off, a KV pool sized for the largest batch), the HF
-model (for section 3) and the prompts; ``paper`` and
-``frontier`` return rows of raw figures. Every early-exit row carries its speed next to full
-depth measured in the same interleaved repeats, its quality against the full-depth text and its
-exit telemetry. Batch sizes whose engines would not fit in 80% of free memory are skipped (and
-listed), never the smallest.
+sections use (``engine_keys``; prefix caching off, a KV pool sized for the largest batch that
+fits, ``report_memory``), the HF model (for section 3) and the prompts (``build_prompts``);
+``blocks`` are the jobs of sections 1-3, measured side by side by ``report_blocks.run_blocks``,
+and ``rows`` turns their medians into rows of raw figures. Every early-exit row carries its speed
+next to full depth measured in the same interleaved repeats, its quality against the full-depth
+text and its exit telemetry. The operating point (``operating_point``) and the frontier's points
+(``frontier_settings``) come from the command line, else from the model's exit config.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
-import sys
-import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eeserve.bench.measure import (
-    Run,
-    median_of,
-    quality_vs,
-    run_engine,
-    run_hf,
-    token_agreement_mean,
-)
+from eeserve.bench.measure import Run, quality_vs, run_engine, run_hf, token_agreement_mean
+from eeserve.bench.report_blocks import Block, Job
 from eeserve.bench.report_config import ReportConfig
+from eeserve.bench.report_memory import fit_batch_sizes, kv_bytes
 from eeserve.config import EngineConfig
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.exit_params import ExitParams
@@ -44,123 +38,18 @@ from eeserve.tuning.provenance import machine_description
 
 PROB_MEASURES = ("softmax_margin", "max_prob", "classifier")
 
-# -- preparing the run ---------------------------------------------------------------------
+# -- what the run measures ------------------------------------------------------------------
 
 
 def build_prompts(
     tokenizer: Any, n: int, seed: int, chat: bool, split: str = "bench"
 ) -> list[list[int]]:
+    """``n`` prompts of the offline ``split`` as token ids, in the chat template when ``chat``
+    and the tokenizer has one."""
     texts = prompt_texts(n, seed=seed, split=split)
     if chat and getattr(tokenizer, "chat_template", None):
         return [chat_token_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
     return [list(tokenizer(t).input_ids) for t in texts]
-
-
-def _kv_bytes(engine_cfg: Any, prompts: list[list[int]], max_tokens: int, itemsize: int) -> int:
-    """KV pool bytes for all ``prompts`` at once, whole blocks, with 10% to spare."""
-    per_token = 2 * engine_cfg.num_layers * engine_cfg.num_kv_heads * engine_cfg.head_dim * itemsize
-    tokens = sum(-(-(len(p) + max_tokens) // 16) * 16 for p in prompts)
-    return int(1.1 * tokens * per_token) + 16 * per_token
-
-
-def _available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 1 << 62
-
-
-def fit_batch_sizes(
-    cfg: ReportConfig,
-    folder: Path,
-    prompts: list[list[int]],
-    device: torch.device,
-    itemsize: int,
-    engines: int,
-) -> tuple[list[int], list[int]]:
-    """(batch sizes whose ``engines`` + HF model fit in 80% of free memory, those that do not)."""
-    mcfg = read_config(folder)
-    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors")) * itemsize // 4
-    free = 0.8 * _available_memory(device)
-    fit: list[int] = []
-    skipped: list[int] = []
-    for b in sorted(cfg.batch_sizes):
-        need = engines * (2 * weights + _kv_bytes(mcfg, prompts[:b], cfg.max_tokens, itemsize))
-        (fit if need + weights * cfg.hf <= free or not fit else skipped).append(b)
-    return fit, skipped
-
-
-# -- measuring -----------------------------------------------------------------------------
-
-Job = tuple[str, Callable[[], Run]]
-
-
-@dataclass
-class Block:
-    """Jobs measured side by side: one after the other in every repeat."""
-
-    what: str
-    batch: int
-    jobs: list[Job]
-    runs: dict[str, list[Run]] = field(default_factory=dict)
-
-    def median(self) -> dict[str, Run]:
-        return {k: median_of(v, "decode_tokens_per_s") for k, v in self.runs.items()}
-
-
-def run_blocks(blocks: list[Block], repeats: int, budget_s: float, bar: Any, tokens: int) -> int:
-    """Every block once per repeat; a further repeat starts only when the average repeat so far
-    fits in what is left of ``budget_s`` (0: no budget). Returns the repeats done (>= 1)."""
-    start = time.perf_counter()
-    for r in range(repeats):
-        elapsed = time.perf_counter() - start
-        if r and budget_s and elapsed * (r + 1) / r > budget_s:
-            print(f"time budget: stopping after {r} of {repeats} repeats", file=sys.stderr)
-            return r
-        for block in blocks:
-            for key, fn in block.jobs:
-                bar.set_postfix_str(f"{block.what}: {key}", refresh=True)
-                block.runs.setdefault(key, []).append(fn())
-                bar.update(block.batch * tokens)
-    return repeats
-
-
-def telemetry(run: Run, num_layers: int) -> dict[str, Any]:
-    layers = [x for per_request in run.exit_layers for x in per_request]
-    decode = [x for per_request in run.exit_layers for x in per_request[1:]]
-    hist = Counter(layers)
-    mean = statistics.mean(layers) if layers else float(num_layers)
-    return {
-        "histogram": {str(k): hist[k] for k in sorted(hist)},
-        "tokens": len(layers),
-        "mean_layers_per_token": mean,
-        "mean_exit_layer_decode": statistics.mean(decode) if decode else float(num_layers),
-        "layers_saved_fraction": 1 - mean / num_layers,
-    }
-
-
-def _speed(run: Run, full: Run) -> dict[str, float]:
-    return {
-        "decode_tok_s": run.decode_tokens_per_s,
-        "full_decode_tok_s": full.decode_tokens_per_s,
-        "ratio": run.decode_tokens_per_s / full.decode_tokens_per_s,
-        "itl_ms": run.mean_itl_ms,
-        "full_itl_ms": full.mean_itl_ms,
-    }
-
-
-def _ee_row(run: Run, full: Run, *, tokenizer: Any, num_layers: int, **keys: Any) -> dict[str, Any]:
-    agree, rouge = quality_vs(full, run, tokenizer)
-    return {
-        **keys,
-        **_speed(run, full),
-        "token_agreement": agree,
-        "rouge_l": rouge,
-        "telemetry": telemetry(run, num_layers),
-    }
 
 
 def operating_point(cfg: ReportConfig, xc: ExitConfig) -> tuple[str, float, str]:
@@ -191,7 +80,8 @@ def frontier_settings(cfg: ReportConfig, xc: ExitConfig) -> list[tuple[str, floa
             points[(m, float(default))] = "default"
         for c in xc.calibration:
             if c.get("measure") == m:
-                points[(m, float(c["threshold"]))] = f"calibrated δ={c.get('delta')}"  # type: ignore[arg-type]
+                threshold = float(c["threshold"])  # type: ignore[arg-type]
+                points[(m, threshold)] = f"calibrated δ={c.get('delta')}"
     return [(m, t, s) for (m, t), s in sorted(points.items())]
 
 
@@ -210,8 +100,6 @@ class ReportRun:
     """Engines (one per policy and KV-debt strategy), the HF model and the prompts of one run."""
 
     def __init__(self, cfg: ReportConfig) -> None:
-        from transformers import AutoTokenizer
-
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -229,7 +117,7 @@ class ReportRun:
         )
         self.frontier_batch = min(cfg.frontier_batch, max(self.batch_sizes))
         n = max(self.batch_sizes)
-        kv = _kv_bytes(read_config(self.folder), self.prompts[:n], cfg.max_tokens, size)
+        kv = kv_bytes(read_config(self.folder), self.prompts[:n], cfg.max_tokens, size)
         engine = partial(
             EngineConfig,
             model=cfg.model,
@@ -260,8 +148,6 @@ class ReportRun:
         self.pad = int(self.tokenizer.pad_token_id or 0)
 
     def _load_hf(self) -> Any:
-        from transformers import AutoModelForCausalLM
-
         hf: Any = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype)
         return hf.to(self.device).eval()
 
@@ -312,20 +198,40 @@ class ReportRun:
             med, b = block.median(), block.batch
             full = med["full"]
             out["full_depth"].append(
-                {"batch": b, "decode_tok_s": full.decode_tokens_per_s,
-                 "tok_s": full.tokens_per_s, "itl_ms": full.mean_itl_ms}
-            )  # fmt: skip
+                {
+                    "batch": b,
+                    "decode_tok_s": full.decode_tokens_per_s,
+                    "tok_s": full.tokens_per_s,
+                    "itl_ms": full.mean_itl_ms,
+                }
+            )
             for p, f in self.engines:
-                out["paper"].append(row(med[f"{p}/{f}"], full, batch=b, policy=p, kv_fill=f,
-                                        measure=measure, threshold=threshold))  # fmt: skip
+                ee = row(
+                    med[f"{p}/{f}"],
+                    full,
+                    batch=b,
+                    policy=p,
+                    kv_fill=f,
+                    measure=measure,
+                    threshold=threshold,
+                )
+                out["paper"].append(ee)
             if "hf" in med:
                 out["hf"].append(_hf_row(med["hf"], full, b))
         med, (policy, kv_fill) = blocks[-1].median(), next(iter(self.engines))
         out["frontier"] = [
-            row(med[f"{m}@{t:g}"], med["full"], batch=blocks[-1].batch, policy=policy,
-                kv_fill=kv_fill, measure=m, threshold=t, source=s)
+            row(
+                med[f"{m}@{t:g}"],
+                med["full"],
+                batch=blocks[-1].batch,
+                policy=policy,
+                kv_fill=kv_fill,
+                measure=m,
+                threshold=t,
+                source=s,
+            )
             for m, t, s in self.settings
-        ]  # fmt: skip
+        ]
         return out
 
     def meta(self) -> dict[str, Any]:
@@ -362,6 +268,44 @@ class ReportRun:
             "operating_point": {"measure": measure, "threshold": threshold, "source": source},
             "frontier_batch": self.frontier_batch,
         }
+
+
+# -- rows ------------------------------------------------------------------------------------
+
+
+def telemetry(run: Run, num_layers: int) -> dict[str, Any]:
+    layers = [x for per_request in run.exit_layers for x in per_request]
+    decode = [x for per_request in run.exit_layers for x in per_request[1:]]
+    hist = Counter(layers)
+    mean = statistics.mean(layers) if layers else float(num_layers)
+    return {
+        "histogram": {str(k): hist[k] for k in sorted(hist)},
+        "tokens": len(layers),
+        "mean_layers_per_token": mean,
+        "mean_exit_layer_decode": statistics.mean(decode) if decode else float(num_layers),
+        "layers_saved_fraction": 1 - mean / num_layers,
+    }
+
+
+def _speed(run: Run, full: Run) -> dict[str, float]:
+    return {
+        "decode_tok_s": run.decode_tokens_per_s,
+        "full_decode_tok_s": full.decode_tokens_per_s,
+        "ratio": run.decode_tokens_per_s / full.decode_tokens_per_s,
+        "itl_ms": run.mean_itl_ms,
+        "full_itl_ms": full.mean_itl_ms,
+    }
+
+
+def _ee_row(run: Run, full: Run, *, tokenizer: Any, num_layers: int, **keys: Any) -> dict[str, Any]:
+    agree, rouge = quality_vs(full, run, tokenizer)
+    return {
+        **keys,
+        **_speed(run, full),
+        "token_agreement": agree,
+        "rouge_l": rouge,
+        "telemetry": telemetry(run, num_layers),
+    }
 
 
 def _hf_row(h: Run, full: Run, b: int) -> dict[str, Any]:

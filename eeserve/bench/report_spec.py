@@ -17,7 +17,8 @@ from itertools import product
 from typing import Any
 
 from eeserve.bench.measure import Run, token_agreement_mean
-from eeserve.bench.report_run import Block, Job, ReportRun
+from eeserve.bench.report_blocks import Block, Job
+from eeserve.bench.report_run import ReportRun
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.exit_params import ExitParams
 
@@ -95,15 +96,33 @@ def speculative_rows(run: ReportRun, blocks: list[Block]) -> list[dict[str, Any]
 
 def speculative_section(results: dict[str, Any]) -> str:
     rows = results["speculative"]
-    head = ["batch", "draft", "drafts ≤", "full tok/s", "speculative tok/s", "speed",
-            "token agreement", "acceptance", "drafted/token", "mean draft layer"]  # fmt: skip
+    head = [
+        "batch",
+        "draft",
+        "drafts ≤",
+        "full tok/s",
+        "speculative tok/s",
+        "speed",
+        "token agreement",
+        "acceptance",
+        "drafted/token",
+        "mean draft layer",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         layer = f"{r['mean_draft_layer']:.1f}" if r["mean_draft_layer"] else "–"
-        cells = [str(r["batch"]), r["draft"], str(r["num_draft_tokens"]),
-                 f"{r['full_decode_tok_s']:.1f}",
-                 f"{r['decode_tok_s']:.1f}", f"{r['ratio']:.2f}×", f"{r['token_agreement']:.3f}",
-                 f"{r['acceptance_rate']:.1%}", f"{r['drafted_per_token']:.2f}", layer]  # fmt: skip
+        cells = [
+            str(r["batch"]),
+            r["draft"],
+            str(r["num_draft_tokens"]),
+            f"{r['full_decode_tok_s']:.1f}",
+            f"{r['decode_tok_s']:.1f}",
+            f"{r['ratio']:.2f}×",
+            f"{r['token_agreement']:.3f}",
+            f"{r['acceptance_rate']:.1%}",
+            f"{r['drafted_per_token']:.2f}",
+            layer,
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     per_layer = [
         f"- batch {r['batch']}, {r['draft']} drafts ≤ {r['num_draft_tokens']}: "

@@ -1,23 +1,21 @@
 """``eeserve bench soak``: the server under sustained load at multiples of its capacity.
 
-Contract: ``run_soak(args)`` starts ``python -m eeserve.server MODEL`` on a free loopback port,
-``--server-nice`` below this client's priority (``--replicas N``: N Ray Serve replicas, each
-replica's process niced once it serves, Ray's proxy and controller left at the client's priority;
-or benchmarks ``--base-url`` as it is), warms it up and measures its saturation throughput: the
-completion rate of a closed loop of ``--capacity-concurrency`` clients sending the request mix for
-``--capacity-duration`` seconds (completed requests over the time from its start to the last
-completion). ``--utilization`` of that is its capacity, the 1x rate (or ``--capacity`` requests/s
-as given). Then, for each ``--loads`` multiple, it sends the mix open-loop (Poisson arrivals at
-multiple x capacity, whatever the server answers) for ``--duration`` seconds (one value, or one per
-load), waits until every request has ended and the server is idle, and samples the server meanwhile
+Contract: ``run_soak(args)`` runs against ``soak_server``'s server (``python -m eeserve.server
+MODEL`` started on a free loopback port ``--server-nice`` below this client's priority, or, with
+``--replicas N``, N Ray Serve replicas each niced once it serves; or ``--base-url`` as it is),
+warms it up and takes its capacity, the 1x rate, from ``soak_capacity`` (``--utilization`` of
+the saturation throughput a closed loop measures, or ``--capacity`` requests/s as given). Then,
+for each ``--loads`` multiple, it sends the mix open-loop (Poisson arrivals at multiple x
+capacity, whatever the server answers) for ``--duration`` seconds (one value, or one per load),
+waits until every request has ended and the server is idle, and samples the server meanwhile
 (``soak_sample``). The mix: ``--long-share`` of ~1.5k-token prompts (``--long-chars``), the rest
 short; ``--stream-share`` streamed; ``--disconnect-share`` of clients that hang up early on
 purpose; every request asks for ``--max-tokens`` tokens (ignore_eos). It writes
 ``<out-dir>/<label>.json`` (``provenance``: commit, date, machine, the exact command; capacity; the
 server's admission limits; per-interval records; per-load summaries; the checks of
-``soak_report.checks``) and ``<label>.png`` (``soak_plots``), prints the summaries and returns 0,
-or 1 when a request failed or hung or the server went down. Only the given base URL (default:
-loopback) is contacted.
+``soak_report.checks``) and ``<label>.png`` (``soak_plots``), prints the summaries
+(``soak_report.format_summaries``) and returns 0, or 1 when a request failed or hung or the
+server went down. Only the given base URL (default: loopback) is contacted.
 """
 
 from __future__ import annotations
@@ -29,15 +27,8 @@ import json
 import logging
 import os
 import random
-import shlex
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -45,22 +36,20 @@ from typing import Any
 import httpx
 
 from eeserve.bench.arrivals import long_prompt_texts
-from eeserve.bench.serve import wait_healthy
-from eeserve.bench.soak_load import Mix, Outcome, closed_loop, open_loop, send
+from eeserve.bench.soak_capacity import measure_capacity
+from eeserve.bench.soak_load import Mix, Outcome, open_loop, send, status_counts
 from eeserve.bench.soak_plots import plot_soak
-from eeserve.bench.soak_report import Phase, checks, intervals, summarize_phase
-from eeserve.bench.soak_sample import (
-    LoopLag,
-    Sampler,
-    read_gauges,
-    read_limits,
-    realtime,
-    renice,
+from eeserve.bench.soak_report import (
+    Phase,
+    checks,
+    format_summaries,
+    intervals,
+    summarize_phase,
 )
+from eeserve.bench.soak_sample import LoopLag, Sampler, read_limits, realtime
+from eeserve.bench.soak_server import soak_server
 from eeserve.tuning.prompts import prompt_texts
 from eeserve.tuning.provenance import provenance
-
-HOST = "127.0.0.1"
 
 
 def add_soak_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -140,7 +129,7 @@ def run_soak(args: argparse.Namespace) -> int:
     if len(durations) != len(loads):
         raise ValueError("--duration takes one value or one per load")
     rt = args.client_priority == "realtime"
-    with _server(args) as (base, pid), realtime(rt) as priority:
+    with soak_server(args) as (base, pid), realtime(rt) as priority:
         print(f"client priority: {priority}", flush=True)
         # The imports (torch with eeserve) leave ~270k objects that each full collection walks:
         # 140 ms quiet, stalls of hundreds of ms while the server holds the cores, which every
@@ -188,20 +177,12 @@ async def _soak(
         for warm in (mix.draw(disconnects=False) for _ in range(2)):
             await send(client, warm, t0, hard)
         limits = read_limits((await client.get("/metrics")).text)
-        cap = await _capacity(args, client, mix, t0, hard)
-        capacity = cap["requests_per_s"]
+        cap = await measure_capacity(args, client, mix, t0, hard)
         sampler_task = asyncio.create_task(sampler.run(args.sample_every))
-        phases: list[Phase] = []
-        outcomes: list[list[Outcome]] = []  # per load level
-        for load, duration in zip(loads, durations):
-            start = time.perf_counter() - t0
-            outs = await open_loop(client, mix, load * capacity, duration, t0, hard)
-            phase = Phase(load, load * capacity, start, start + duration)
-            idle = await sampler.until_idle(60)
-            phase.drained_at, phase.idle_kv_blocks = idle.t, idle.kv_blocks_used
-            phases.append(phase)
-            outcomes.append(outs)
-            print(f"load {load:g}x: {_counts(outs)}", flush=True)
+        levels = list(zip(loads, durations))
+        phases, outcomes = await _phases(
+            client, mix, sampler, cap["requests_per_s"], levels, t0, hard
+        )
         for task in (sampler_task, lag_task):
             task.cancel()
             with suppress(asyncio.CancelledError):
@@ -212,6 +193,7 @@ async def _soak(
         summarize_phase(p, outs, sampler.samples, lag.samples, warmup)
         for p, outs in zip(phases, outcomes)
     ]
+    every = [o for outs in outcomes for o in outs]
     return {
         "provenance": _provenance(),
         "config": {**_config(args), "interval_s": args.interval, "warmup_s": warmup},
@@ -220,15 +202,35 @@ async def _soak(
         "phases": [asdict(p) for p in phases],
         "summaries": summaries,
         "checks": checks(summaries, up),
-        "intervals": intervals(
-            [o for outs in outcomes for o in outs],
-            sampler.samples,
-            lag.samples,
-            phases,
-            args.interval,
-        ),
+        "intervals": intervals(every, sampler.samples, lag.samples, phases, args.interval),
         "samples": [asdict(s) for s in sampler.samples],
     }
+
+
+async def _phases(
+    client: httpx.AsyncClient,
+    mix: Mix,
+    sampler: Sampler,
+    capacity: float,
+    levels: list[tuple[float, float]],
+    t0: float,
+    hard_timeout: float,
+) -> tuple[list[Phase], list[list[Outcome]]]:
+    """Each (load, duration) level in turn: the mix open-loop at load x ``capacity`` for its
+    duration, then until every request has ended and the server is idle. The phases and each
+    one's outcomes."""
+    phases: list[Phase] = []
+    outcomes: list[list[Outcome]] = []
+    for load, duration in levels:
+        start = time.perf_counter() - t0
+        outs = await open_loop(client, mix, load * capacity, duration, t0, hard_timeout)
+        phase = Phase(load, load * capacity, start, start + duration)
+        idle = await sampler.until_idle(60)
+        phase.drained_at, phase.idle_kv_blocks = idle.t, idle.kv_blocks_used
+        phases.append(phase)
+        outcomes.append(outs)
+        print(f"load {load:g}x: {status_counts(outs)}", flush=True)
+    return phases, outcomes
 
 
 def _mix(args: argparse.Namespace) -> Mix:
@@ -246,51 +248,6 @@ def _mix(args: argparse.Namespace) -> Mix:
         early_exit=early_exit,
         rng=random.Random(args.seed),
     )
-
-
-async def _capacity(
-    args: argparse.Namespace, client: httpx.AsyncClient, mix: Mix, t0: float, hard: float
-) -> dict[str, Any]:
-    """The 1x rate (``requests_per_s``) and where it comes from: ``--capacity`` as given, or
-    ``--utilization`` of the closed loop's completion rate (``throughput_per_s``)."""
-    if args.capacity is not None:
-        return {
-            "requests_per_s": args.capacity,
-            "throughput_per_s": None,
-            "utilization": None,
-            "measured": False,
-            "closed_loop": {},
-        }
-    start = time.perf_counter() - t0
-    outs = await closed_loop(
-        client, mix, args.capacity_concurrency, args.capacity_duration, t0, hard
-    )
-    done = [o for o in outs if o.status == "completed"]
-    if not done:
-        raise RuntimeError(f"no request completed while measuring capacity: {_counts(outs)}")
-    # The requests in flight when the loop stops run to their end and count: a window that
-    # counted only completions inside it would miss every request longer than the window.
-    rate = len(done) / (max(o.ended for o in done) - start)
-    capacity = args.utilization * rate
-    print(
-        f"saturation throughput: {rate:.3f} requests/s ({_counts(outs)}); "
-        f"capacity (1x): {capacity:.3f} requests/s",
-        flush=True,
-    )
-    return {
-        "requests_per_s": capacity,
-        "throughput_per_s": rate,
-        "utilization": args.utilization,
-        "measured": True,
-        "closed_loop": _counts(outs),
-    }
-
-
-def _counts(outs: list[Outcome]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for o in outs:
-        counts[o.status] = counts.get(o.status, 0) + 1
-    return counts
 
 
 async def _healthy(client: httpx.AsyncClient) -> bool:
@@ -311,89 +268,3 @@ def _provenance() -> dict[str, Any]:
     env = [f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS",) if k in os.environ]
     prov["command"] = " ".join([*env, prov["command"]])
     return prov
-
-
-def format_summaries(result: dict[str, Any]) -> str:
-    head = (
-        f"{'load':>5} {'req/s':>6} {'sent':>5} {'done':>5} {'429':>5} {'dline':>5} "
-        f"{'disc':>5} {'fail':>4} {'hung':>4} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} "
-        f"{'429 p99':>7} {'srv<=':>6} {'idle KV':>7} {'lag p99':>7}"
-    )
-    cap = result["capacity"]
-    rated = f"capacity {cap['requests_per_s']:.3f} requests/s"
-    if cap.get("throughput_per_s") is not None:
-        rated += f" ({cap['utilization']:g} of {cap['throughput_per_s']:.3f} measured)"
-    priority = result.get("client_priority", "normal")
-    lines = [f"{rated}; client priority {priority}", head]
-    for s in result["summaries"]:
-        t, i = s["ttft_ms"], s["itl_ms"]
-        lines.append(
-            f"{s['load']:>5g} {s['rate_per_s']:>6.2f} {s['requests']:>5} {s['completed']:>5} "
-            f"{s['rejected']:>5} {s['deadline']:>5} {s['disconnected']:>5} {s['failed']:>4} "
-            f"{s['hung']:>4} {t['p50']:>8.0f}/{t['p99']:<8.0f} {i['p50']:>7.1f}/{i['p99']:<7.1f} "
-            f"{s['reject_ms']['p99']:>7.1f} {s['server_reject_ms']['p99']:>6g} "
-            f"{s['kv_blocks_used_after_drain']!s:>7} "
-            f"{s['client_lag_ms']['p99']:>7.1f}"
-        )
-    lines.append("checks: " + json.dumps(result["checks"]))
-    return "\n".join(lines)
-
-
-def server_command(args: argparse.Namespace, port: int) -> list[str]:
-    """The command that starts the server to soak on ``port``: ``eeserve.server`` with the
-    run's options, behind ``nice -n --server-nice`` unless that is 0 or the server runs replicas."""
-    cmd = [sys.executable, "-m", "eeserve.server", args.model, "--host", HOST, "--port", str(port)]
-    if args.server_nice and not args.replicas:  # replicas: niced once they run (nice_replicas)
-        cmd = ["nice", "-n", str(args.server_nice), *cmd]
-    cmd += ["--log-level", "warning", "--request-timeout", str(args.request_timeout)]
-    if args.replicas:
-        cmd += ["--replicas", str(args.replicas)]
-    if args.api_key:
-        cmd += ["--api-key", args.api_key]
-    return cmd + shlex.split(args.server_args)
-
-
-@contextmanager
-def _server(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
-    """(base URL, server pid): ``--base-url`` as it is, or a server started for the run."""
-    if args.base_url:
-        yield args.base_url.rstrip("/"), args.server_pid
-        return
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        port = s.getsockname()[1]
-    cmd = server_command(args, port)
-    with tempfile.NamedTemporaryFile(
-        "w+b", prefix="eeserve-soak-", suffix=".log", delete=False
-    ) as log:
-        print(f"server: {shlex.join(cmd)} (log: {log.name})", flush=True)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://{HOST}:{port}"
-    try:
-        wait_healthy(base, proc, timeout=900)
-        if args.replicas and args.server_nice:
-            nice_replicas(base, args.replicas, args.server_nice)
-        yield base, proc.pid
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def nice_replicas(base: str, replicas: int, increment: int, timeout: float = 120.0) -> list[int]:
-    """Run each of the ``replicas`` engine processes behind ``base`` (their pids from
-    ``eeserve_replica_info``, which a replica publishes within seconds of starting)
-    ``increment`` nicer than this client; their pids."""
-    deadline = time.monotonic() + timeout
-    while True:
-        pids = read_gauges(httpx.get(f"{base}/metrics", timeout=30).text)[1]
-        if len(pids) >= replicas:
-            break
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{len(pids)} of {replicas} replicas published their pid")
-        time.sleep(1.0)
-    threads = sum(renice(pid, increment) for pid in pids)
-    print(f"replicas {pids}: {threads} threads at niceness +{increment}", flush=True)
-    return pids

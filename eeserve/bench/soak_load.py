@@ -5,13 +5,13 @@ of clients that disconnect on purpose), each behind a first line of its own so t
 served from another's prefix cache. ``send(client, req, t0, hard_timeout)`` runs one and returns
 its ``Outcome``: ``completed``, ``rejected`` (429, with its latency, ``Retry-After`` and who
 answered it: the engine's admission control, whose body is an OpenAI error naming the limit, or
-Ray's proxy),
-``deadline`` (504 or a stream's ``deadline_exceeded`` event), ``disconnected`` (planned),
-``failed`` (any other answer) or ``hung`` (no answer within ``hard_timeout``). ``open_loop``
-starts requests at Poisson arrival times at a given rate for a given time and, once that time
-has passed, waits for them all; ``closed_loop`` keeps ``concurrency`` requests in flight for a
-given time (the capacity measurement). Sampling the server meanwhile is ``soak_sample``'s job.
-Times are ``time.perf_counter()`` seconds since the run's ``t0``.
+Ray's proxy), ``deadline`` (504 or a stream's ``deadline_exceeded`` event), ``disconnected``
+(planned), ``failed`` (any other answer) or ``hung`` (no answer within ``hard_timeout``);
+``status_counts`` tallies outcomes by status. ``open_loop`` starts requests at Poisson arrival
+times at a given rate for a given time and, once that time has passed, waits for them all;
+``closed_loop`` keeps ``concurrency`` requests in flight for a given time (``soak_capacity``'s
+measurement). Sampling the server meanwhile is ``soak_sample``'s job. Times are
+``time.perf_counter()`` seconds since the run's ``t0``.
 """
 
 from __future__ import annotations
@@ -51,6 +51,14 @@ class Outcome:
     rejected_by: str | None = None  # a 429: "engine" (admission control) or "proxy" (Ray's)
     rejected_limit: str | None = None  # the engine's 429: "requests" or "tokens" (which limit)
     error: str | None = None
+
+
+def status_counts(outs: list[Outcome]) -> dict[str, int]:
+    """How many of ``outs`` ended in each status (only the statuses that occur)."""
+    counts: dict[str, int] = {}
+    for o in outs:
+        counts[o.status] = counts.get(o.status, 0) + 1
+    return counts
 
 
 @dataclass

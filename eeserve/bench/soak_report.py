@@ -12,11 +12,13 @@ blocks in use once it drained. ``checks(summaries, server_up)`` compares them wi
 2x capacity every request answered (completed, 429, deadline or a planned disconnect), the p99 TTFT
 of accepted requests within 3x of its value at 1x and 429s answered in under 100 ms at p99; at 1x,
 RSS growth after warm-up <= 5%, no KV block in use while idle, and no outcome but completed or a
-planned disconnect.
+planned disconnect. ``format_summaries(result)`` is the text the run prints: its capacity, a table
+row per load level and the checks.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -216,3 +218,30 @@ def checks(summaries: list[dict[str, Any]], server_up: bool) -> dict[str, Any]:
         errors = one["rejected"] + one["deadline"] + one["failed"] + one["hung"]
         out["1x_errors_other_than_disconnects"] = errors
     return out
+
+
+def format_summaries(result: dict[str, Any]) -> str:
+    """The run's capacity, one line per load level's summary and the checks, as printed."""
+    head = (
+        f"{'load':>5} {'req/s':>6} {'sent':>5} {'done':>5} {'429':>5} {'dline':>5} "
+        f"{'disc':>5} {'fail':>4} {'hung':>4} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} "
+        f"{'429 p99':>7} {'srv<=':>6} {'idle KV':>7} {'lag p99':>7}"
+    )
+    cap = result["capacity"]
+    rated = f"capacity {cap['requests_per_s']:.3f} requests/s"
+    if cap.get("throughput_per_s") is not None:
+        rated += f" ({cap['utilization']:g} of {cap['throughput_per_s']:.3f} measured)"
+    priority = result.get("client_priority", "normal")
+    lines = [f"{rated}; client priority {priority}", head]
+    for s in result["summaries"]:
+        t, i = s["ttft_ms"], s["itl_ms"]
+        lines.append(
+            f"{s['load']:>5g} {s['rate_per_s']:>6.2f} {s['requests']:>5} {s['completed']:>5} "
+            f"{s['rejected']:>5} {s['deadline']:>5} {s['disconnected']:>5} {s['failed']:>4} "
+            f"{s['hung']:>4} {t['p50']:>8.0f}/{t['p99']:<8.0f} {i['p50']:>7.1f}/{i['p99']:<7.1f} "
+            f"{s['reject_ms']['p99']:>7.1f} {s['server_reject_ms']['p99']:>6g} "
+            f"{s['kv_blocks_used_after_drain']!s:>7} "
+            f"{s['client_lag_ms']['p99']:>7.1f}"
+        )
+    lines.append("checks: " + json.dumps(result["checks"]))
+    return "\n".join(lines)

@@ -19,6 +19,7 @@ too (one slot table for all layers), so a local layer's memory is not bounded by
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -213,7 +214,7 @@ class AttnMeta:
             meta.key_bias = bias.masked_fill_(padded, float("-inf"))[:, None, None, :]
         return meta
 
-    def subset(self, keep_rows: list[int]) -> AttnMeta:
+    def subset(self, keep_rows: Sequence[int]) -> AttnMeta:
         """Metadata for the rows ``keep_rows`` (indices into the current row set), renumbered."""
         new_index = {r: i for i, r in enumerate(keep_rows)}
         spans: list[SeqSpan] = []

@@ -135,7 +135,7 @@ class BlockManager:
         hashes = self._seq_hashes.setdefault(seq.seq_id, [])
         full = seq.num_computed_tokens // self.block_size
         for i in range(len(hashes), full):
-            if seq.kv_debt and min(seq.kv_debt) < (i + 1) * self.block_size:
+            if seq.owed and seq.owed[0] < (i + 1) * self.block_size:
                 return  # shallow-only K/V in this block: never reusable as it stands
             h = self._hash(seq, i, hashes[-1] if hashes else b"")
             hashes.append(h)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from eeserve.config import EngineConfig
+from eeserve.config import EngineConfig, ExitPolicy, KVFill, Quantization
 from eeserve.engine.block_manager import BlockManager
 from eeserve.engine.detokenizer import Detokenizer
 from eeserve.engine.model_runner import ModelRunner, RunnerOptions
@@ -24,7 +24,7 @@ from eeserve.engine.runner_output import SeqStep
 from eeserve.engine.scheduler import Scheduler, SchedulerConfig
 from eeserve.engine.sequence import Sequence
 from eeserve.engine.speculative import SpecOutput
-from eeserve.exit_params import ExitParams
+from eeserve.exit_params import DraftSource, ExitParams
 from eeserve.kernels.native import load as load_native
 from eeserve.models.config import ModelConfig
 from eeserve.models.cost import CostModel
@@ -50,16 +50,18 @@ def _attention_efficiency(device: torch.device, native: bool) -> float:
 
 def _speculative_draft(
     config: EngineConfig, exit_config: ExitConfig, device: torch.device, dtype: torch.dtype
-) -> str:
+) -> DraftSource:
     """``config.speculative_draft`` with "auto" resolved to the exit config's ``default_draft``
     where the int8 copy pays: on the engine's CPU kernels with float32 activations (elsewhere
     its projections dequantise per call, and the fused layers are float32 only). An int8 copy of
     int8 weights, or for no exits at all, is no use: "exits" then."""
     if config.speculative_draft != "auto":
-        return config.speculative_draft
+        return DraftSource(config.speculative_draft)
     cpu = device.type == "cpu" and dtype == torch.float32 and config.cpu_kernels
-    usable = cpu and config.quantization is None and config.exit_policy != "none"
-    return exit_config.default_draft if usable and load_native() is not None else "exits"
+    usable = cpu and config.quantization is None and config.exit_policy != ExitPolicy.NONE
+    if usable and load_native() is not None:
+        return DraftSource(exit_config.default_draft)
+    return DraftSource.EXITS
 
 
 @dataclass
@@ -119,17 +121,17 @@ class LLMEngine:
         )
         self.speculative_draft = _speculative_draft(config, self.exit_config, device, dtype)
         opts = RunnerOptions(
-            num_blocks,
-            config.block_size,
-            self.max_model_len,
-            device,
-            dtype,
-            config.exit_policy,
-            config.kv_fill,
-            config.cpu_kernels,
-            config.quantization,
-            self.speculative_draft,
-            config.screen_head,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            device=device,
+            dtype=dtype,
+            exit_policy=ExitPolicy(config.exit_policy),
+            kv_fill=KVFill(config.kv_fill),
+            cpu_kernels=config.cpu_kernels,
+            quantization=Quantization(config.quantization) if config.quantization else None,
+            draft=self.speculative_draft,
+            screen_head=config.screen_head,
         )
         self.runner = ModelRunner(model, mcfg, opts, self.exit_config, heads)
         self.scheduler = Scheduler(self._scheduler_config(), self.block_manager)
@@ -190,13 +192,11 @@ class LLMEngine:
             self._counter += 1
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        plan = self.exit_plan(exit_params)
         seq = Sequence(
             request_id,
             ids,
             params,
-            exit_params,
-            plan,
+            exit_plan=self.exit_plan(exit_params),
             prompt=prompt if isinstance(prompt, str) else None,
         )
         self._seqs[request_id] = seq
@@ -206,10 +206,13 @@ class LLMEngine:
 
     def exit_plan(self, exit_params: ExitParams | None) -> ExitPlan | None:
         """A request's resolved exit rule (None: full depth); ``ValueError`` when it cannot be."""
-        if self.config.exit_policy == "none":
+        if self.config.exit_policy == ExitPolicy.NONE:
             return None
         return resolve_exit_plan(
-            exit_params, self.exit_config, self.config.exit_policy, self.speculative_draft
+            exit_params,
+            self.exit_config,
+            ExitPolicy(self.config.exit_policy),
+            self.speculative_draft,
         )
 
     def abort_request(self, request_id: str) -> None:
@@ -229,14 +232,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        out = self.runner.execute(sched)  # also when empty: it hears of finished requests
         if not sched.seqs:
             return []
-        out = self.runner.execute(sched.seqs, sched.num_tokens)
         self.stats.passes += 1
         self.stats.layer_passes += out.layer_passes
         self.stats.row_layers += out.layers_run
         outputs = []
         for seq, n, result in zip(sched.seqs, sched.num_tokens, out.seqs):
+            seq.owed = result.owed
             if result.token_id is None and result.spec is None:  # a prompt chunk: K/V only
                 seq.num_computed_tokens += n
                 self.block_manager.commit(seq)
@@ -246,15 +250,13 @@ class LLMEngine:
 
     def _apply(self, seq: Sequence, r: SeqStep) -> RequestOutput:
         if r.spec is not None:
-            self._apply_spec(seq, r.spec, r.kv_debt, r.confidence)
+            self._apply_spec(seq, r.spec, r.confidence)
             return self._output(seq)
         seq.num_computed_tokens = seq.num_tokens
         # The exit layer of this pass is the depth of the last position just computed: record it
         # before ``commit`` hashes that position's block, or the key lacks it and never matches
         # the key ``allocate`` computes later (a resumed sequence would miss its own blocks).
         seq.exit_layers.append(r.exit_layer)
-        if r.kv_debt is not None:
-            seq.kv_debt = r.kv_debt
         self.block_manager.commit(seq)
         assert r.token_id is not None
         seq.output_token_ids.append(r.token_id)
@@ -266,25 +268,20 @@ class LLMEngine:
             self._finish(seq, reason)
         return self._output(seq)
 
-    def _apply_spec(
-        self, seq: Sequence, r: SpecOutput, debt: dict[int, int] | None, confidence: float
-    ) -> None:
+    def _apply_spec(self, seq: Sequence, r: SpecOutput, confidence: float) -> None:
         """A speculative step: keep a new draft (nothing is output, stop-checked or hashed), or
         roll the drafts back to the verified tokens and apply those one by one."""
-        spec = seq.spec
-        assert spec is not None
+        stats = seq.spec_stats
+        assert stats is not None
         seq.num_computed_tokens = seq.num_tokens
         if r.drafted:
-            seq.kv_debt = debt or {}
             seq.output_token_ids.append(r.token_ids[0])
-            spec.pending_layers.append(r.draft_layer)
+            seq.num_drafts += 1
             return
         # Every drafted position now has full-depth K/V; positions after the first rejected
         # draft hold K/V of rejected tokens and are recomputed (overwritten) when reached.
-        layers = list(spec.pending_layers)
         del seq.output_token_ids[seq.num_verified_output :]
-        spec.pending_layers = []
-        seq.kv_debt = {}
+        seq.num_drafts = 0
         kept = 0
         for t, lp in zip(r.token_ids, r.logprobs):
             kept += 1
@@ -297,7 +294,7 @@ class LLMEngine:
             if reason is not None:
                 self._finish(seq, reason)
                 break
-        spec.record(layers, r.num_accepted, kept)
+        stats.record(r.draft_layers, r.num_accepted, kept)
         if not seq.is_finished:
             seq.num_computed_tokens = seq.num_tokens - 1
             self.block_manager.truncate(seq)
@@ -325,8 +322,7 @@ class LLMEngine:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
-        self.runner.release(seq.seq_id)
+        self.scheduler.finish(seq, reason)  # the runner hears of it in the next step
         self._seqs.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence) -> RequestOutput:
@@ -341,7 +337,7 @@ class LLMEngine:
             layers_saved_fraction=1 - sum(seq.exit_layers) / (n * num_layers) if n else 0.0,
             num_layers=num_layers,
         )
-        spec = seq.spec
+        spec = seq.spec_stats
         if spec is not None:
             stats.acceptance_rate = (
                 spec.num_accepted / spec.num_drafted if spec.num_drafted else 0.0

@@ -10,17 +10,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eeserve.exit_params import DEFAULT_NUM_DRAFT_TOKENS, SHORTLIST_MEASURES, ExitParams
+from eeserve.config import ExitPolicy
+from eeserve.exit_params import (
+    DEFAULT_NUM_DRAFT_TOKENS,
+    SHORTLIST_MEASURES,
+    DraftSource,
+    ExitMode,
+    ExitParams,
+)
 from eeserve.models.exit_config import ExitConfig
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExitPlan:
     """A request's resolved exit rule: exit at layer l when confidence >= thresholds[l]."""
 
     measure: str
     thresholds: dict[int, float]  # 1-based exit layer -> threshold
-    mode: str = "exit"  # "speculative": an exit drafts, the layers above verify
+    mode: ExitMode = ExitMode.EXIT  # speculative: an exit drafts, the layers above verify
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     # The row leaves at its own first confident exit whatever the ``auto`` policy would do: its
     # threshold was calibrated under ``per_sequence``, whose guarantee holds for such a row.
@@ -34,10 +41,10 @@ class ExitPlan:
 def resolve_exit_plan(
     params: ExitParams | None,
     cfg: ExitConfig,
-    policy: str | None = None,
-    speculative_draft: str = "exits",
+    policy: ExitPolicy | None = None,
+    speculative_draft: DraftSource = DraftSource.EXITS,
 ) -> ExitPlan | None:
-    """``speculative_draft="int8"``: a speculative request's drafts come from the int8 copy at
+    """``speculative_draft`` int8: a speculative request's drafts come from the int8 copy at
     full depth, so its plan has no exit layers (exit layers, threshold and measure go unused)."""
     if params is None:
         if not cfg.enabled_by_default:
@@ -47,10 +54,11 @@ def resolve_exit_plan(
         return None
     # A request that states an exit rule but no mode asks for exits, whatever the default mode.
     rule = (params.threshold, params.tolerance, params.measure, params.exit_layers)
-    mode = params.mode or ("exit" if any(x is not None for x in rule) else cfg.default_mode)
+    stated = any(x is not None for x in rule)
+    mode = ExitMode(params.mode or (ExitMode.EXIT if stated else cfg.default_mode))
     num_drafts = params.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS
-    if mode == "speculative" and speculative_draft == "int8":
-        return ExitPlan("max_prob", {}, mode, num_drafts)
+    if mode is ExitMode.SPECULATIVE and speculative_draft is DraftSource.INT8:
+        return ExitPlan(measure="max_prob", thresholds={}, mode=mode, num_draft_tokens=num_drafts)
     measure = params.measure or cfg.default_measure
     layers = _exit_layers(params, cfg, measure)
     threshold = params.threshold
@@ -58,9 +66,9 @@ def resolve_exit_plan(
     if params.tolerance is not None:
         # ``auto`` has no calibration of its own (its decisions follow the machine's layer
         # cost): its rows use ``per_sequence``'s and leave as they would there.
-        eager = policy == "auto"
+        eager = policy == ExitPolicy.AUTO
         threshold = calibrated_threshold(
-            cfg, params.tolerance, measure, "per_sequence" if eager else policy
+            cfg, params.tolerance, measure, ExitPolicy.PER_SEQUENCE if eager else policy
         )
     if threshold is None:
         threshold = cfg.thresholds.get(measure)
@@ -77,11 +85,11 @@ def resolve_exit_plan(
     else:
         per_layer = dict.fromkeys(layers, float(threshold))
     return ExitPlan(
-        measure,
-        {lay: t for lay, t in per_layer.items() if lay >= params.min_layer},
-        mode,
-        num_drafts,
-        eager,
+        measure=measure,
+        thresholds={lay: t for lay, t in per_layer.items() if lay >= params.min_layer},
+        mode=mode,
+        num_draft_tokens=num_drafts,
+        eager=eager,
     )
 
 
@@ -121,7 +129,7 @@ def calibrated_threshold(
         known = sorted({(c.get("measure"), c.get("delta")) for c in cfg.calibration}, key=str)
         raise ValueError(
             f"no calibration for tolerance {tolerance} with measure {measure!r}"
-            f"{f' under policy {policy!r}' if policy else ''}; "
+            f"{f' under policy {str(policy)!r}' if policy else ''}; "
             f"calibrated (measure, delta): {known or 'none'} (run `eeserve calibrate`)"
         )
     best = max(fits, key=lambda c: float(c["delta"]))  # type: ignore[arg-type]

@@ -1,6 +1,7 @@
 """Batch exit policies: which of the rows checked at an exit leave now.
 
-Contract: ``decide`` applies the engine's policy to the rows checked at one exit layer.
+Contract: ``decide`` applies the engine's policy (``config.ExitPolicy``, the one list of policies)
+to the rows checked at one exit layer.
 - ``per_sequence``: confident rows leave on their own;
 - ``batch_all`` (the seed paper's): confident rows are marked, and every row stops at the first
   exit layer where all are marked;
@@ -17,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
-POLICIES = ("auto", "per_sequence", "batch_all")
+from eeserve.config import ExitPolicy
 
 
 def decide(
-    policy: str,
+    policy: ExitPolicy,
     confident: Seq[bool],
     marked: list[bool],
     all_checked: bool,
@@ -34,15 +35,15 @@ def decide(
     running row was checked here (else no policy but ``per_sequence`` can stop them all);
     ``shrink_pays(m)``: ``auto``'s cost model, do m leaving rows save time; ``eager``: rows that
     leave whenever confident under ``auto``."""
-    if policy == "per_sequence":
+    if policy == ExitPolicy.PER_SEQUENCE:
         return list(confident)
     for i, c in enumerate(confident):
         marked[i] = marked[i] or c
     if all_checked and all(marked):
         return [True] * len(marked)
-    if policy == "batch_all":
+    if policy == ExitPolicy.BATCH_ALL:
         return [False] * len(marked)
-    assert policy == "auto", policy
+    assert policy == ExitPolicy.AUTO, policy
     leave = [bool(e and c) for e, c in zip(eager or [False] * len(marked), confident)]
     rest = [m and not x for m, x in zip(marked, leave)]
     if any(rest) and shrink_pays is not None and shrink_pays(sum(rest) + sum(leave)):

@@ -2,8 +2,8 @@
 
 Contract: ``ModelRunner.execute`` returns a ``RunnerOutput`` whose ``seqs[i]`` belongs to the
 i-th scheduled sequence. A ``SeqStep`` says everything the engine applies to that sequence's
-state (token, exit layer, confidence, logprobs, KV debt, speculation); it never refers back to
-other rows by index. Plain data: no tensors cross from the runner to the engine.
+state (token, exit layer, confidence, logprobs, the positions still owed, speculation); it never
+refers back to other rows by index. Plain data: no tensors cross from the runner to the engine.
 """
 
 from __future__ import annotations
@@ -13,23 +13,23 @@ from dataclasses import dataclass
 from eeserve.engine.speculative import SpecOutput
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SeqStep:
     """One sequence's result of one forward pass."""
 
     # The sampled token; None for a prompt chunk short of its last token (K/V only).
-    token_id: int | None
+    token_id: int | None = None
     exit_layer: int  # 1-based layer the token came from (L = full depth)
     confidence: float = 1.0
     logprobs: dict[int, float] | None = None  # top-n and the sampled token, when asked for
-    # Positions owed after this step -> layer their K/V reach (``recompute`` and speculative
-    # sequences); None: the sequence's debt is unchanged.
-    kv_debt: dict[int, int] | None = None
+    # The positions still owed after this step, ascending (``recompute`` and speculative
+    # sequences; the runner's ``RequestState.owed`` holds their depths and hidden states).
+    owed: tuple[int, ...] = ()
     # Speculative sequences: a new draft or a verification's kept tokens (None: other modes).
     spec: SpecOutput | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunnerOutput:
     seqs: list[SeqStep]
     layers_run: int = 0  # decoder layers computed, summed over rows (telemetry, tests)

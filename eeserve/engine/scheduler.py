@@ -22,6 +22,10 @@ When a decode row cannot get a block, the most recently admitted sequence is pre
 blocks are freed and it waits at the head of the queue to be recomputed later (from its prefix
 cache hits, if any), so its output does not change. Requests that could never fit are refused
 by the engine before they get here.
+
+Each output also names the requests (``Sequence.seq_id``) that finished since the last one and
+those preempted by this one, so that the model runner drops or resets its record of them
+(``engine.request_state``) without scanning anything.
 """
 
 from __future__ import annotations
@@ -55,11 +59,12 @@ def chunk_size(start: int, remaining: int, budget: float, context: float) -> tup
     return n, n * (1 + (start + (n - 1) / 2) / context)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SchedulerOutput:
     seqs: list[Sequence]
     num_tokens: list[int]  # per sequence: positions this pass computes (its last ones if sampling)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted_ids: list[int] = field(default_factory=list)  # preempted by this schedule
+    finished_ids: list[int] = field(default_factory=list)  # finished or aborted since the last
 
 
 class Scheduler:
@@ -69,6 +74,18 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._finished_ids: list[int] = []  # since the last ``schedule``
+
+    def _output(
+        self, seqs: list[Sequence], num_tokens: list[int], preempted: list[Sequence] | None = None
+    ) -> SchedulerOutput:
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            seqs=seqs,
+            num_tokens=num_tokens,
+            preempted_ids=[s.seq_id for s in preempted or []],
+            finished_ids=finished,
+        )
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -81,7 +98,7 @@ class Scheduler:
             return self._schedule_mixed()
         prefill = self._schedule_prefill()
         if prefill:
-            return SchedulerOutput(prefill, [s.num_new_tokens for s in prefill])
+            return self._output(prefill, [s.num_new_tokens for s in prefill])
         return self._schedule_decode()
 
     def _schedule_mixed(self) -> SchedulerOutput:
@@ -90,7 +107,7 @@ class Scheduler:
         kept, preempted = self._reserve(decoding)
         prefilling = [s for s in self.running if s.num_new_tokens > 1]
         budget: float = self.config.max_num_batched_tokens
-        budget -= sum(1 + len(s.kv_debt) for s in kept)
+        budget -= sum(1 + len(s.owed) for s in kept)
         seqs, counts = list(kept), [1] * len(kept)
         for seq in prefilling:
             if budget <= 0:
@@ -102,7 +119,7 @@ class Scheduler:
                 break
             self._admit(seq)
             budget = self._add_chunk(seq, budget, seqs, counts)
-        return SchedulerOutput(seqs, counts, preempted)
+        return self._output(seqs, counts, preempted)
 
     def _add_chunk(
         self, seq: Sequence, budget: float, seqs: list[Sequence], counts: list[int]
@@ -136,7 +153,7 @@ class Scheduler:
 
     def _schedule_decode(self) -> SchedulerOutput:
         scheduled, preempted = self._reserve(list(self.running))
-        return SchedulerOutput(scheduled, [1] * len(scheduled), preempted)
+        return self._output(scheduled, [1] * len(scheduled), preempted)
 
     def _reserve(self, decoding: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """A block slot for the next token of each of ``decoding``; when none is left, the most
@@ -162,10 +179,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
-        # Recomputation at full prompt depth pays any outstanding KV debt; unverified
-        # speculative drafts are dropped (only verified tokens are recomputed).
-        seq.kv_debt.clear()
-        seq.discard_drafts()
+        seq.preempted()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -181,3 +195,4 @@ class Scheduler:
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._finished_ids.append(seq.seq_id)

@@ -2,20 +2,23 @@
 
 Contract: pure Python, no tensors. A ``Sequence`` holds its tokens, its block table, how many of
 its tokens already have K/V in the cache, and its early-exit record (exit layer and confidence per
-generated token, and the positions whose deep-layer K/V is still owed under ``recompute``).
-In ``speculative`` mode ``output_token_ids`` ends with the pending (unverified) drafts; everything
-that outputs, stop-checks or hashes reads only the verified part (``num_verified_output``).
+generated token). The engine changes it from each step's ``SeqStep``; the runner's own record of
+the request (``engine.request_state``: owed K/V and their hidden states, draft distributions) is
+the runner's alone. Two facts of that record shape scheduling and so are reported here: the owed
+positions (``owed``: a pass recomputes them, and no block holding one is cached) and how many
+pending drafts end ``output_token_ids`` (``num_drafts``: speculative mode; everything that
+outputs, stop-checks or hashes reads only the verified part, ``num_verified_output``).
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from eeserve.engine.plan import ExitPlan
-from eeserve.engine.speculative import SpecState
-from eeserve.exit_params import ExitParams
+from eeserve.engine.speculative import SpecStats
+from eeserve.exit_params import ExitMode
 from eeserve.sampling_params import SamplingParams
 
 
@@ -33,8 +36,8 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    exit_params: ExitParams | None = None
-    exit_plan: ExitPlan | None = None  # resolved from exit_params and the model's exit config
+    _: KW_ONLY
+    exit_plan: ExitPlan | None = None  # the request's ExitParams, resolved (None: full depth)
     seq_id: int = field(default_factory=lambda: next(_ids))
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
@@ -46,16 +49,20 @@ class Sequence:
     # Early-exit record: one entry per generated token (layer is 1-based, L = full depth).
     exit_layers: list[int] = field(default_factory=list)
     exit_confidences: list[float] = field(default_factory=list)
-    # ``recompute`` KV debt: position -> layer up to which its K/V exists (only positions < L).
-    kv_debt: dict[int, int] = field(default_factory=dict)
+    # Positions whose deep-layer K/V is still owed, ascending (reported by the runner).
+    owed: tuple[int, ...] = ()
+    num_drafts: int = 0  # pending (unverified) drafts at the end of ``output_token_ids``
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    spec: SpecState | None = None  # speculative mode: drafts, adaptive limit, telemetry
+    spec_stats: SpecStats | None = None  # speculative mode's telemetry
 
     def __post_init__(self) -> None:
-        plan = self.exit_plan
-        if self.spec is None and plan is not None and plan.mode == "speculative":
-            self.spec = SpecState(plan.num_draft_tokens)
+        if self.speculative:
+            self.spec_stats = SpecStats()
+
+    @property
+    def speculative(self) -> bool:
+        return self.exit_plan is not None and self.exit_plan.mode == ExitMode.SPECULATIVE
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -70,30 +77,16 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def num_draft_tokens(self) -> int:
-        """Unverified drafts at the end of ``output_token_ids``."""
-        return self.spec.num_pending if self.spec is not None else 0
-
-    @property
     def num_verified_output(self) -> int:
-        return len(self.output_token_ids) - self.num_draft_tokens
+        return len(self.output_token_ids) - self.num_drafts
 
-    def step_plan(self) -> ExitPlan | None:
-        """The exit plan of the next forward pass: none for the prefill's first token, and none
-        for a speculative sequence that may not draft now (that pass verifies)."""
-        if not self.output_token_ids or self.exit_plan is None:
-            return None
-        spec = self.spec
-        if spec is not None and not spec.can_draft(
-            self.num_verified_output, self.sampling_params.max_tokens
-        ):
-            return None
-        return self.exit_plan
-
-    def discard_drafts(self) -> None:
-        """Drop unverified drafts (preemption: only verified tokens are recomputed)."""
-        if self.spec is not None and (k := self.spec.discard_pending()):
-            del self.output_token_ids[-k:]
+    def preempted(self) -> None:
+        """Back to the queue: recomputed at full depth from its verified tokens, so it owes
+        nothing and its unverified drafts go."""
+        self.owed = ()
+        if self.num_drafts:
+            del self.output_token_ids[-self.num_drafts :]
+            self.num_drafts = 0
 
     @property
     def is_finished(self) -> bool:

@@ -1,9 +1,8 @@
-"""Self-speculative decoding, the per-sequence half: draft bookkeeping and acceptance.
+"""Self-speculative decoding, the per-sequence half: telemetry and acceptance.
 
 Contract:
-- ``SpecState`` (pure Python, on the ``Sequence``) holds a speculative request's pending drafts
-  (their exit layers), its adaptive draft limit and its telemetry. ``can_draft`` says whether the
-  next step may draft; ``record`` updates the limit after a verification.
+- ``SpecStats`` (pure Python, on the ``Sequence``) is a speculative request's telemetry; the
+  runner keeps its drafts and adaptive limit (``engine.request_state``).
 - ``accept_greedy`` / ``accept_sampled`` turn a verification's full-depth logits into the tokens
   that are kept: the accepted prefix of the drafts plus one token from full depth (the
   replacement of the first rejected draft, or the bonus token when every draft was accepted).
@@ -22,37 +21,17 @@ import torch
 
 from eeserve.engine.sampler import race
 
-# Two verifications in a row that accept nothing pause drafting for this many verified tokens.
-PAUSE_AFTER_REJECTIONS = 2
-PAUSE_TOKENS = 8
 
+@dataclass(kw_only=True)
+class SpecStats:
+    """A speculative request's telemetry, per verified output token: the exit layer of the draft
+    it verified (None: not drafted) and whether that draft was accepted (None: not drafted)."""
 
-@dataclass
-class SpecState:
-    max_drafts: int  # ExitParams.num_draft_tokens
-    limit: int = 0  # current adaptive limit (<= max_drafts); set from max_drafts
-    pending_layers: list[int] = field(default_factory=list)  # exit layer of each pending draft
-    rejection_streak: int = 0
-    pause: int = 0  # verified tokens left before drafting resumes
-    # Telemetry per verified output token: the draft's exit layer (None: not drafted) and
-    # whether the draft was accepted (None: not drafted).
     draft_layers: list[int | None] = field(default_factory=list)
     accepted: list[bool | None] = field(default_factory=list)
     num_drafted: int = 0  # drafts that were verified (dropped ones are not counted)
     num_accepted: int = 0
     num_verifications: int = 0  # verifications that checked at least one draft
-
-    def __post_init__(self) -> None:
-        self.limit = self.limit or self.max_drafts
-
-    @property
-    def num_pending(self) -> int:
-        return len(self.pending_layers)
-
-    def can_draft(self, num_verified_out: int, max_tokens: int) -> bool:
-        """May the next step draft? Never past what ``max_tokens`` could still use."""
-        room = num_verified_out + self.num_pending + 1 < max_tokens
-        return self.pause == 0 and self.num_pending < self.limit and room
 
     def record(self, layers: list[int], num_accepted: int, num_tokens: int) -> None:
         """A verification of drafts from ``layers`` kept ``num_accepted`` and produced
@@ -62,38 +41,22 @@ class SpecState:
         self.accepted += [*([True] * num_accepted), *([False] if num_accepted < k else [None])][
             :num_tokens
         ]
-        self.pending_layers = []
         if k == 0:
-            self.pause = max(0, self.pause - num_tokens)
             return
         self.num_drafted += k
         self.num_accepted += num_accepted
         self.num_verifications += 1
-        if num_accepted == k:
-            self.limit = min(self.max_drafts, self.limit + 1)
-            self.rejection_streak = 0
-            return
-        # The draft after the accepted ones was wrong: drafting further out is likely wasted.
-        self.limit = max(1, num_accepted + 1)
-        self.rejection_streak = self.rejection_streak + 1 if num_accepted == 0 else 0
-        if self.rejection_streak >= PAUSE_AFTER_REJECTIONS:
-            self.pause, self.rejection_streak = PAUSE_TOKENS, 0
-
-    def discard_pending(self) -> int:
-        """Drop the unverified drafts (preemption); returns how many there were."""
-        k = self.num_pending
-        self.pending_layers = []
-        return k
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SpecOutput:
     """One speculative sequence's result of a step."""
 
     drafted: bool  # True: ``token_ids`` is one new draft; False: a verification
     token_ids: list[int]  # the draft, or the verified tokens (accepted drafts + one)
     num_accepted: int = 0
-    draft_layer: int = 0  # exit layer of the new draft
+    # A verification: the exit layers of the drafts it checked, oldest first (telemetry).
+    draft_layers: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float] | None] = field(default_factory=list)  # per verified token
 
 

@@ -9,8 +9,9 @@ Contract: the model runner runs passes; the ``Speculator`` decides around them.
 - ``result`` turns a float pass's row into the sequence's ``SpecOutput``: a new draft (the row
   left at an exit), a verification (full-depth logits at the drafted positions and the next
   one: the accepted drafts plus one token of full depth's), or a plain decode (no drafts).
-It keeps, per sequence, the distributions its pending drafts were sampled from (speculative
-sampling needs them at verification). Greedy output equals full depth's; sampled output has
+It keeps nothing of its own: a request's drafts (exit layers, the distributions sampled ones were
+drawn from) and adaptive limit live in the runner's record of it (``engine.request_state``),
+which the speculator reads and updates. Greedy output equals full depth's; sampled output has
 exactly full depth's distribution (``engine.speculative.accept_sampled``).
 """
 
@@ -19,10 +20,12 @@ from __future__ import annotations
 import torch
 
 from eeserve.engine.plan import ExitPlan
+from eeserve.engine.request_state import Draft, OwedPosition, RequestState
 from eeserve.engine.runner_output import SeqStep
 from eeserve.engine.sampler import Sampler, token_logprobs
 from eeserve.engine.sequence import Sequence
 from eeserve.engine.speculative import SpecOutput, accept_greedy, accept_sampled
+from eeserve.exit_params import DraftSource
 from eeserve.sampling_params import SamplingParams
 
 # No exit drafting in decode steps of more sequences than this. Every kept token still runs all
@@ -43,110 +46,155 @@ VERIFY_MAX_ROWS = 24
 
 
 class Speculator:
-    def __init__(self, sampler: Sampler, num_layers: int, int8: bool) -> None:
+    def __init__(self, *, sampler: Sampler, num_layers: int, draft: DraftSource) -> None:
         self.sampler = sampler
         self.num_layers = num_layers
-        self.int8 = int8  # the int8 copy drafts (else the exits do)
-        self._q: dict[int, list[torch.Tensor]] = {}  # seq_id -> [V] per pending sampled draft
-
-    def release(self, seq_id: int) -> None:
-        self._q.pop(seq_id, None)
+        self.draft = draft
 
     # -- what drafts -------------------------------------------------------------------------
 
-    def exit_plans(self, seqs: list[Sequence], plans: list[ExitPlan | None], decoding: int) -> None:
+    @staticmethod
+    def step_plan(seq: Sequence, state: RequestState) -> ExitPlan | None:
+        """The exit plan of ``seq``'s next pass: none for the prefill's first token, and none for
+        a speculative sequence that may not draft now (that pass verifies)."""
+        if not seq.output_token_ids or seq.exit_plan is None:
+            return None
+        spec = state.spec
+        if spec is not None:
+            pending = len(state.drafts)
+            room = seq.num_verified_output + pending + 1 < seq.sampling_params.max_tokens
+            if not spec.may_draft(pending, room):
+                return None
+        return seq.exit_plan
+
+    def exit_plans(
+        self, states: list[RequestState], plans: list[ExitPlan | None], decoding: int
+    ) -> None:
         """Drops, in place, the exit plans of speculative rows that may not draft at exits in a
         step of ``decoding`` decode rows: their row runs to full depth and verifies."""
-        if self.int8 or decoding > DRAFT_MAX_BATCH:
-            for i, seq in enumerate(seqs):
-                if seq.spec is not None:
+        if self.draft is DraftSource.INT8 or decoding > DRAFT_MAX_BATCH:
+            for i, state in enumerate(states):
+                if state.spec is not None:
                     plans[i] = None
 
-    def int8_step(self, seqs: list[Sequence], counts: list[int], sampling: list[bool]) -> bool:
+    def int8_step(
+        self,
+        seqs: list[Sequence],
+        states: list[RequestState],
+        counts: list[int],
+        sampling: list[bool],
+    ) -> bool:
         """Does the int8 copy draft every row of this step? All rows or none: a step runs one
         pass. One row that needs the float model (a prompt chunk, a verification, a sequence that
         does not speculate) makes every sequence verify in that pass, which costs about what one
         draft would, and keeps the sequences' rounds in step."""
-        if not self.int8:
+        if self.draft is not DraftSource.INT8:
             return False
         rows = len(seqs)
         return rows <= INT8_DRAFT_MAX_BATCH and all(
             sampling[i]
             and counts[i] == 1  # a decode row (not a prompt recomputed after preemption)
-            and s.output_token_ids
-            and s.spec is not None
-            and rows * (s.num_draft_tokens + 2) <= VERIFY_MAX_ROWS
-            and s.step_plan() is not None
-            for i, s in enumerate(seqs)
+            and seq.output_token_ids
+            and state.spec is not None
+            and rows * (len(state.drafts) + 2) <= VERIFY_MAX_ROWS
+            and self.step_plan(seq, state) is not None
+            for i, (seq, state) in enumerate(zip(seqs, states))
         )
 
-    def int8_drafts(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SeqStep]:
-        """The int8 pass's logits [n, V] -> one draft per sequence; its position is then owed from
-        layer 1 (its K/V so far are the int8 copy's). A draft's confidence is not recorded
-        (verified tokens get the verification's)."""
+    def int8_drafts(
+        self,
+        seqs: list[Sequence],
+        states: list[RequestState],
+        logits: torch.Tensor,
+        h0: torch.Tensor,
+    ) -> list[SeqStep]:
+        """The int8 pass's logits [n, V] -> one draft per sequence. Its position is then owed
+        from layer 1 with its embedding h0 [n, D] as input (its K/V so far are the int8 copy's).
+        A draft's confidence is not recorded (verified tokens get the verification's)."""
         params = [s.sampling_params for s in seqs]
         tokens = self.sampler.sample(logits, params, [s.seq_id for s in seqs]).cpu().tolist()
         full = self.num_layers
-        return [
-            SeqStep(
-                tokens[i],
-                full,
-                kv_debt={**seq.kv_debt, seq.num_computed_tokens: 0},
-                spec=self._draft(seq.seq_id, seq.sampling_params, logits[i], tokens[i], full),
+        steps = []
+        for i, (seq, state) in enumerate(zip(seqs, states)):
+            state.owed[seq.num_computed_tokens] = OwedPosition(layer=0, hidden=h0[i])
+            spec = self._draft(state, seq.sampling_params, logits[i], tokens[i], full)
+            steps.append(
+                SeqStep(token_id=tokens[i], exit_layer=full, owed=state.owed_positions, spec=spec)
             )
-            for i, seq in enumerate(seqs)
-        ]
+        return steps
 
     # -- what is kept ------------------------------------------------------------------------
 
-    def verifies(self, seq: Sequence, exit_layer: int) -> bool:
+    def verifies(self, state: RequestState, exit_layer: int) -> bool:
         """A speculative row with drafts that reached full depth verifies them: its tokens come
         from ``result``, not from the step's own draw."""
-        return seq.spec is not None and exit_layer == self.num_layers and seq.num_draft_tokens > 0
+        return state.spec is not None and exit_layer == self.num_layers and bool(state.drafts)
 
     def result(
-        self, seq: Sequence, step: SeqStep, logits: torch.Tensor, owed: torch.Tensor | None
+        self,
+        seq: Sequence,
+        state: RequestState,
+        step: SeqStep,
+        logits: torch.Tensor,
+        owed: torch.Tensor | None,
     ) -> SpecOutput:
         """Sequence ``seq``'s draft (its row left at an exit) or verification (full depth).
         logits [V]: its row's; owed [k, V]: full depth at its k drafted positions."""
         params = seq.sampling_params
         if step.exit_layer < self.num_layers:
             assert step.token_id is not None, "a draft is sampled"
-            return self._draft(seq.seq_id, params, logits, step.token_id, step.exit_layer)
-        k = seq.num_draft_tokens
+            return self._draft(state, params, logits, step.token_id, step.exit_layer)
+        assert state.spec is not None
+        k = len(state.drafts)
         if k == 0:  # nothing to verify: the step's own draw, as for any decode row
             assert step.token_id is not None, "a decode row is sampled"
-            return SpecOutput(False, [step.token_id], logprobs=[step.logprobs])
+            state.spec.after_verification(0, 0, 1)
+            return SpecOutput(drafted=False, token_ids=[step.token_id], logprobs=[step.logprobs])
         drafts = seq.output_token_ids[len(seq.output_token_ids) - k :]
         owed = owed if owed is not None else logits[None, :0]
         assert owed.shape[0] == k, f"{owed.shape[0]} verified positions for {k} drafts"
-        return self._verify(seq.seq_id, params, drafts, torch.cat([owed, logits[None]]))
+        out = self._verify(seq.seq_id, params, drafts, state, torch.cat([owed, logits[None]]))
+        state.spec.after_verification(k, out.num_accepted, len(out.token_ids))
+        return out
 
     def _draft(
-        self, seq_id: int, params: SamplingParams, logits: torch.Tensor, token: int, layer: int
+        self,
+        state: RequestState,
+        params: SamplingParams,
+        logits: torch.Tensor,
+        token: int,
+        layer: int,
     ) -> SpecOutput:
-        """A draft ``token`` sampled from logits [V] at ``layer``."""
-        if not params.greedy:
-            q = Sampler.probabilities(logits[None], [params])[0]
-            self._q.setdefault(seq_id, []).append(q)
-        return SpecOutput(True, [token], draft_layer=layer)
+        """A draft ``token`` sampled from logits [V] at ``layer``, added to ``state``."""
+        probs = None if params.greedy else Sampler.probabilities(logits[None], [params])[0]
+        state.drafts.append(Draft(layer=layer, probs=probs))
+        return SpecOutput(drafted=True, token_ids=[token])
 
     def _verify(
-        self, seq_id: int, params: SamplingParams, drafts: list[int], logits: torch.Tensor
+        self,
+        seq_id: int,
+        params: SamplingParams,
+        drafts: list[int],
+        state: RequestState,
+        logits: torch.Tensor,
     ) -> SpecOutput:
-        """logits [k+1, V]: full depth at the k drafted positions and the next one."""
+        """logits [k+1, V]: full depth at the k drafted positions and the next one. The drafts
+        leave ``state``: the kept tokens are verified, the rest are gone."""
+        pending, state.drafts = state.drafts, []
         if params.greedy:
             tokens, a = accept_greedy(drafts, logits)
         else:
-            q = self._q.pop(seq_id, [])
+            q = [d.probs for d in pending if d.probs is not None]
             assert len(q) == len(drafts), "draft distributions out of step with the drafts"
             p = Sampler.probabilities(logits, [params] * logits.shape[0])
             gen = self.sampler.generator(seq_id, params.seed, logits.device)
             q_t = torch.stack(q) if q else p[:0]
             tokens, a = accept_sampled(drafts, q_t, p, gen)
-        self._q.pop(seq_id, None)
         n = params.logprobs
         lps = [
             token_logprobs(logits[i], t, n) if n is not None else None for i, t in enumerate(tokens)
         ]
-        return SpecOutput(False, tokens, num_accepted=a, logprobs=lps)
+        layers = [d.layer for d in pending]
+        return SpecOutput(
+            drafted=False, token_ids=tokens, num_accepted=a, draft_layers=layers, logprobs=lps
+        )

@@ -62,7 +62,8 @@ class NativeOps:
     ) -> torch.Tensor:
         """q [R, H, D] (one query per row, heads contiguous); k/v_cache [slots, Hkv, D]; slots
         [R, T] int64, the context of row r being slots[r, :lens[r]] (lens >= 1) -> [R, H, D]."""
-        return self.ops.decode_attention(q, k_cache, v_cache, slots, lens, scale)  # type: ignore[no-any-return]
+        out: torch.Tensor = self.ops.decode_attention(q, k_cache, v_cache, slots, lens, scale)
+        return out
 
     def span_attention(
         self,
@@ -76,7 +77,8 @@ class NativeOps:
         """q [n, H, D] (one sequence's queries, heads contiguous); k/v_cache [slots, Hkv, D];
         slots [T] int64, its positions' slots; positions [n] int64, query i attending to
         positions 0..positions[i] -> [n, H, D]."""
-        return self.ops.span_attention(q, k_cache, v_cache, slots, positions, scale)  # type: ignore[no-any-return]
+        out: torch.Tensor = self.ops.span_attention(q, k_cache, v_cache, slots, positions, scale)
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.ops.rms_norm(x, weight, eps)  # type: ignore[no-any-return]
@@ -103,7 +105,8 @@ class NativeOps:
     ) -> torch.Tensor:
         """x [M, K] float32/bfloat16; qweight int8 and scale [.., groups, 16] float32 in
         ``quant.pack_int8``'s layout; bias [N] float32 or None -> [M, N] in x's dtype."""
-        return self.ops.int8_linear(x, qweight, scale, bias, out_features)  # type: ignore[no-any-return]
+        out: torch.Tensor = self.ops.int8_linear(x, qweight, scale, bias, out_features)
+        return out
 
     def int8_screen(
         self,

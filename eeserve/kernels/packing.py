@@ -85,7 +85,8 @@ def pack_for_cpu(model: LlamaForCausalLM, ops: NativeOps | None) -> None:
         attn.qkv_proj = PackedLinear(w, b, ops)  # type: ignore[assignment]
         attn.o_proj = PackedLinear(attn.o_proj.weight, None, ops)  # type: ignore[assignment]
         mlp = layer.mlp
-        mlp.gate_up_proj = PackedLinear(mlp.gate_up_proj.weight, None, ops)  # type: ignore[assignment]
+        gate_up = PackedLinear(mlp.gate_up_proj.weight, None, ops)
+        mlp.gate_up_proj = gate_up  # type: ignore[assignment]
         mlp.down_proj = PackedLinear(mlp.down_proj.weight, None, ops)  # type: ignore[assignment]
 
 

@@ -137,7 +137,8 @@ def quantize_model(model: LlamaForCausalLM, ops: NativeOps | None) -> None:
         attn.qkv_proj = Int8Linear(w, b, ops)  # type: ignore[assignment]
         attn.o_proj = Int8Linear(attn.o_proj.weight, None, ops)  # type: ignore[assignment]
         mlp = layer.mlp
-        mlp.gate_up_proj = Int8Linear(mlp.gate_up_proj.weight, None, ops)  # type: ignore[assignment]
+        gate_up = Int8Linear(mlp.gate_up_proj.weight, None, ops)
+        mlp.gate_up_proj = gate_up  # type: ignore[assignment]
         mlp.down_proj = Int8Linear(mlp.down_proj.weight, None, ops)  # type: ignore[assignment]
 
 

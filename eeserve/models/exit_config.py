@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eeserve.exit_params import DRAFT_SOURCES, MODES
+from eeserve.exit_params import DRAFT_SOURCES, MODES, DraftSource
 
 
 @dataclass
@@ -60,9 +60,9 @@ class ExitConfig:
                 f"not {len(self.shortlist)} (eeserve shortlist --size)"
             )
 
-    def draft_ids(self, vocab_size: int, int8: bool) -> list[int] | None:
-        """The token ids exit-head (or, with ``int8``, int8-copy) drafts are projected onto;
-        None: every id."""
+    def draft_ids(self, vocab_size: int, source: DraftSource) -> list[int] | None:
+        """The token ids that ``source``'s drafts are projected onto; None: every id."""
+        int8 = source is DraftSource.INT8
         n = self.int8_draft_vocab if int8 else self.draft_vocab
         if not 0 < n < vocab_size:
             return None

@@ -145,8 +145,9 @@ class LlamaDecoderLayer(nn.Module):
 
         Separate from ``mlp_block`` because a ``layer`` exit head decides inside this layer."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(h), rot)
+        out: torch.Tensor = self.self_attn.o_proj(attn(self.index, q, k, v))
         # Added into the projection's fresh output: one allocation less per layer.
-        return self.self_attn.o_proj(attn(self.index, q, k, v)).add_(h)  # type: ignore[no-any-return]
+        return out.add_(h)
 
     def mlp_block(self, h: torch.Tensor) -> torch.Tensor:
         """The MLP half: h_mid -> this layer's output hidden."""
@@ -173,7 +174,8 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight  # type: ignore[union-attr,assignment]
+            embed: nn.Embedding = self.model.embed_tokens  # type: ignore[assignment]
+            self.lm_head.weight = embed.weight
 
     @property
     def layers(self) -> list[LlamaDecoderLayer]:

@@ -4,7 +4,7 @@ Contract: ``BatchProcessor(engine, model_names).run(items, emit)`` takes what
 ``batch.read_envelopes`` yields and calls ``emit`` with one output line per item, in completion
 order. Each envelope's body goes through the server's ``parse_body`` and ``prepare`` (so
 ``early_exit`` works and every invalid body is the server's 400, as an error line) and
-``engine_loop.admit``; the answer body is the server's ``Formatter.response``. Up to
+``engine_requests.admit``; the answer body is the server's ``Formatter.response``. Up to
 ``max_in_flight`` requests (default four times the engine's ``max_num_seqs``) are in the engine at
 once, batched together by its scheduler; the input is read lazily. A request the engine fails on
 becomes a 500 error line (the engine aborts it) and the run goes on; nothing here raises for a
@@ -22,7 +22,7 @@ from typing import Any
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.outputs import CompletionOutput
 from eeserve.server.batch import Envelope, api_error_line, success_line
-from eeserve.server.engine_loop import admit
+from eeserve.server.engine_requests import admit
 from eeserve.server.formatting import Formatter, TokenStrings
 from eeserve.server.prepare import ApiError, ModelInfo, engine_refusal, parse_body, prepare
 

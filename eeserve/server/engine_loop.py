@@ -7,18 +7,14 @@ Contract:
   outputs. From then on every engine call (``add_request``, ``abort_request``, ``tokenize``,
   ``step``) happens on the loop's single worker thread; other threads only post commands to it
   (a deque plus a wake-up event), so no lock is needed.
-- ``admit(engine, request_ids, choices, exit_params)`` (what ``add`` runs on the worker thread,
-  and what batch files run on an engine of their own) adds a group of requests atomically.
 - ``await add(choices, exit_params, timeout)`` first passes the group through admission control
   (``admission.Admission``, on the event loop: ``Overloaded`` at once when the waiting requests
-  or their tokens would exceed ``limits``), then queues its engine requests atomically: if the
-  engine refuses any (``ValueError``, e.g. a prompt longer than the context), the ones already
-  added are aborted and the error is raised to the caller; exit parameters that cannot be
-  resolved against the model's exit config raise ``RequestRejected`` with
-  ``param="early_exit"``. It returns a ``Generation`` (``server.generation``) whose ``stream()``
-  yields ``(choice_index, RequestOutput)`` in engine order until every choice has finished; with
-  a ``timeout`` (seconds) the generation is aborted when it runs out and its stream raises
-  ``DeadlineExceeded``.
+  or their tokens would exceed ``limits``), then adds its engine requests on the worker thread,
+  all or none (``engine_requests.admit``: the engine's ``ValueError`` and ``RequestRejected``
+  are raised to the caller). It returns a ``Generation`` (``server.generation``) whose
+  ``stream()`` yields ``(choice_index, RequestOutput)`` in engine order until every choice has
+  finished; with a ``timeout`` (seconds) the generation is aborted when it runs out and its
+  stream raises ``DeadlineExceeded``.
 - ``Generation.cancel()`` (client gone) aborts the unfinished engine requests, freeing their KV
   blocks, and ends the stream; ``abort()`` only aborts.
 - Outputs of one engine step are handed to the event loop with one ``call_soon_threadsafe``.
@@ -26,16 +22,13 @@ Contract:
   requests still running after ``timeout`` seconds are aborted and their streams raise
   ``GenerationError``. ``stop()`` ends the thread the same way and joins it.
 - Metrics (tokens, TTFT, inter-token latency, exit layers, gauges) are recorded on the thread.
-- ``build_engine(config)`` loads an engine for an ``EngineLoop`` without leaving torch's
-  parallel state on the calling thread (see there); ``freeze_startup_heap()`` then keeps the
-  garbage collector off what startup allocated (a server process and every replica call it).
+- The engine comes built (``server.startup.build_engine``); the loop only drives it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import gc
 import logging
 import os
 import threading
@@ -45,12 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from eeserve.config import EngineConfig
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.exit_params import ExitParams
 from eeserve.outputs import RequestOutput
-from eeserve.sampling_params import SamplingParams
 from eeserve.server.admission import Admission, AdmissionLimits, ServingLimits, resolve_limits
+from eeserve.server.engine_requests import ChoiceSpec, admit
 from eeserve.server.generation import Batch, Generation, GenerationError, put_all
 from eeserve.server.metrics import ServerMetrics
 
@@ -59,50 +51,8 @@ log = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.5
 
 
-def build_engine(config: EngineConfig) -> LLMEngine:
-    """``LLMEngine(config)``, built on a short-lived thread of its own.
-
-    Why: loading runs torch's parallel loops, and with the OpenMP backend every thread that runs
-    one keeps a pool of worker threads until it exits. Built on the main thread, that pool would
-    live on beside the engine thread's; with more OpenMP threads than cores, libgomp stops
-    spinning between parallel regions, so every kernel call waits for its workers to wake (a
-    batch-8 decode step of the default model 17 -> 24-26 ms on two cores, measured). A thread's
-    pool ends with the thread."""
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eeserve-load") as pool:
-        return pool.submit(LLMEngine, config).result()
-
-
-def freeze_startup_heap() -> None:
-    """Once a serving process has built its engine and app: startup leaves ~380,000 long-lived
-    objects (torch, transformers, the model's modules) that every collection of the oldest
-    generation scans again, 220 ms for the default model on this project's CPU (measured): a
-    stall of every stream, and of every 429, whenever the collector runs one while serving.
-    Frozen, the collector skips them (vLLM's engine does the same); they are still freed by
-    reference counting."""
-    gc.collect()
-    gc.freeze()
-    log.info("froze %d startup objects out of the garbage collector", gc.get_freeze_count())
-
-
 class ShuttingDown(RuntimeError):
     """The server is draining and takes no new requests."""
-
-
-class RequestRejected(ValueError):
-    """The engine refused a request because of ``param`` (a request field)."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class ChoiceSpec:
-    """One engine request: a prompt (text kept for the record, ids already tokenized)."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
 
 
 @dataclass
@@ -339,43 +289,3 @@ class EngineLoop:
         m.waiting.set(len(sched.waiting))
         m.kv_blocks_free.set(bm.num_free_blocks)
         m.kv_blocks_used.set(bm.num_blocks - bm.num_free_blocks)
-
-
-def admit(
-    engine: LLMEngine, request_ids: list[str], choices: list[ChoiceSpec], ep: ExitParams | None
-) -> list[list[int]]:
-    """Add a group of engine requests, all or none (the engine's ``ValueError`` is raised after
-    aborting those already added); returns each one's prompt token ids."""
-    _check_exit_params(engine, ep)
-    added: list[str] = []
-    prompts: list[list[int]] = []
-    try:
-        for rid, spec in zip(request_ids, choices):
-            ids = spec.prompt_token_ids
-            if spec.prompt is None:
-                ids = engine.tokenize(ids)  # validates the token ids
-            engine.add_request(
-                spec.prompt if spec.prompt is not None else ids,
-                spec.params,
-                request_id=rid,
-                prompt_token_ids=ids,
-                exit_params=ep,
-            )
-            added.append(rid)
-            prompts.append(ids)
-    except BaseException:
-        for rid in added:
-            engine.abort_request(rid)
-        raise
-    return prompts
-
-
-def _check_exit_params(engine: LLMEngine, ep: ExitParams | None) -> None:
-    """Resolve the exit plan up front, so that its errors are told apart from the prompt's."""
-    cfg = getattr(engine, "exit_config", None)
-    if ep is None or cfg is None or engine.config.exit_policy == "none":
-        return
-    try:
-        engine.exit_plan(ep)
-    except ValueError as e:
-        raise RequestRejected(str(e), "early_exit") from e

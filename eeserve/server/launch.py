@@ -27,8 +27,8 @@ import uvicorn
 from eeserve.engine_args import add_engine_args, engine_config
 from eeserve.server.admission import ServingLimits
 from eeserve.server.app import create_app
-from eeserve.server.engine_loop import build_engine, freeze_startup_heap
 from eeserve.server.replicas import run_replicas
+from eeserve.server.startup import build_engine, freeze_startup_heap
 
 log = logging.getLogger(__name__)
 

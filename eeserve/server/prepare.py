@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from eeserve.exit_params import ExitParams
 from eeserve.sampling_params import SamplingParams
-from eeserve.server.engine_loop import ChoiceSpec, RequestRejected
+from eeserve.server.engine_requests import ChoiceSpec, RequestRejected
 from eeserve.server.formatting import Kind
 from eeserve.server.protocol import (
     ChatCompletionRequest,

@@ -46,9 +46,9 @@ from eeserve.config import EngineConfig
 from eeserve.engine_args import engine_config
 from eeserve.server.admission import ServingLimits
 from eeserve.server.app import create_app
-from eeserve.server.engine_loop import build_engine, freeze_startup_heap
 from eeserve.server.metrics import ServerMetrics
 from eeserve.server.replica_metrics import MetricsHub, merge_pages
+from eeserve.server.startup import build_engine, freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
@@ -236,8 +236,12 @@ def run_replicas(args: argparse.Namespace, limits: ServingLimits) -> int:
         deployed = launch_replicas(opts, args.host, args.port)
         log.info(
             "serving %s on http://%s:%d with %d replicas x %d threads",
-            opts.model_names[0], args.host, args.port, opts.replicas, opts.threads,
-        )  # fmt: skip
+            opts.model_names[0],
+            args.host,
+            args.port,
+            opts.replicas,
+            opts.threads,
+        )
         stop.wait()
         log.info("shutting down: in-flight requests get %.0f s", opts.shutdown_timeout)
         stop_replicas(deployed)

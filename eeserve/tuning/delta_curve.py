@@ -22,7 +22,8 @@ import torch
 
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaForCausalLM
-from eeserve.tuning.data import Group, Packed, chunks, exit_states, pack_groups
+from eeserve.tuning.data import Packed, chunks, exit_states, pack_groups
+from eeserve.tuning.groups import Group
 
 MAX_POSITIONS = 2048
 

@@ -41,8 +41,9 @@ from eeserve.models.config import rope_tables
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import ExitHeads
 from eeserve.models.llama import LlamaForCausalLM
-from eeserve.tuning.data import Group, exit_states, pack_groups
+from eeserve.tuning.data import exit_states, pack_groups
 from eeserve.tuning.delta_curve import CurveProbe
+from eeserve.tuning.groups import Group
 from eeserve.tuning.heads import candidates, init_heads, sampled_kl, schedule
 from eeserve.tuning.options import TuneOptions
 
@@ -242,20 +243,8 @@ def _train(
     probe: CurveProbe | None,
 ) -> dict[str, Any]:
     layers = heads.config.exit_layers
-    head_params = [p for n, p in heads.named_parameters() if not n.startswith("classifier")]
-    groups_: list[dict[str, Any]] = [{"params": head_params}]
-    if opts.lora_lr > 0:
-        groups_.append({"params": adapters.parameters(), "lr": opts.lora_lr})
-    else:
-        for p in adapters.parameters():
-            p.requires_grad_(False)
-    opt = torch.optim.AdamW(
-        groups_,
-        lr=opts.joint_head_lr,  # the auxiliary heads: raw inputs, unlike ``heads.train_head``
-        weight_decay=0.0,
-    )
     batches = plan_batches(groups, opts.base_batch_tokens, opts.seed)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s, len(batches)))
+    opt, sched = _optimizer(adapters, heads, opts, len(batches))
     max_len = max(g.num_tokens for g in [*groups, *(probe.groups if probe else [])])
     rope = tuple(t.to(next(model.parameters()).device) for t in rope_tables(model.config, max_len))
     weights = layer_weights(opts, layers, model.config.num_layers)
@@ -289,6 +278,27 @@ def _train(
             _save(ckpt, n + 1, adapters, heads, opt, sched, step.gen, log)
     bar.close()
     return _summary(log, layers, len(batches))
+
+
+def _optimizer(
+    adapters: Adapters, heads: ExitHeads, opts: TuneOptions, steps: int
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the joint heads (their probes aside) and, when ``lora_lr`` > 0, the base delta
+    at that rate (else the delta stays frozen), its rate following ``schedule`` over ``steps``."""
+    head_params = [p for n, p in heads.named_parameters() if not n.startswith("classifier")]
+    groups: list[dict[str, Any]] = [{"params": head_params}]
+    if opts.lora_lr > 0:
+        groups.append({"params": adapters.parameters(), "lr": opts.lora_lr})
+    else:
+        for p in adapters.parameters():
+            p.requires_grad_(False)
+    opt = torch.optim.AdamW(
+        groups,
+        lr=opts.joint_head_lr,  # the auxiliary heads: raw inputs, unlike ``heads.train_head``
+        weight_decay=0.0,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s, steps))
+    return opt, sched
 
 
 def _curve_point(step: _Step, probe: CurveProbe, log: dict[str, Any]) -> None:

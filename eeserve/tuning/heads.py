@@ -1,14 +1,14 @@
 """Exit-head training on a frozen model: the loss and the per-layer training.
 
-Contract: ``tune_layers`` trains, per exit layer, a ``tuned`` exit head (own
-RMSNorm and a residual adapter feeding the model's frozen LM head; ``layer`` heads:
-``tuning.layer_heads``) by distillation from the final layer's distribution, then a classifier probe
-on the trained head's agreement with the final argmax (on tuning text the head never saw);
-``tuning.report.evaluate`` measures both on held-out generated tokens and picks the thresholds. The
-model's weights are only read (a test checks them bit for bit). Training data is the user's text, or
-by default the model's own continuations (``tuning.data``).
-Deterministic for a seed and thread count; every trained layer is checkpointed in the cache
-folder, and a rerun with the same options resumes.
+Contract: ``tune_layers`` trains, per exit layer, a ``tuned`` exit head (own RMSNorm and a
+residual adapter feeding the model's frozen LM head; ``layer`` heads: ``tuning.layer_heads``) by
+distillation from the final layer's distribution, then a classifier probe on the trained head's
+agreement with the final argmax (on tuning text the head never saw); ``tuning.evaluate`` measures
+both on held-out generated tokens and picks the thresholds. The model's weights are only read (a
+test checks them bit for bit). Training data is the user's text, or by default the model's own
+continuations (``tuning.groups``), as hidden states (``tuning.data``). Deterministic for a seed
+and thread count; every trained layer is checkpointed in the cache folder, and a rerun with the
+same options resumes.
 
 Training details, each chosen by measurement on the default model (README, "Tuned exit heads"):
 - KL(final || exit) over a sampled vocabulary: the batch's teacher top-k tokens plus uniformly

@@ -1,13 +1,14 @@
 """The ``eeserve tune-exits`` run (command line in ``tuning.cli``).
 
-Contract: ``tune(opts)`` loads or generates the tuning and held-out groups (``tuning.data``),
-trains an exit head and a classifier probe per exit layer on the frozen model
-(``tuning.heads.tune_layers``), evaluates them on the held-out tokens and picks thresholds
-(``tuning.report.evaluate``), writes the sidecar (``save_sidecar``) and the report next to it, and
-returns the report. With ``train_base="lora"`` the model is first trained to exit
-(``tuning.variant``: a base delta learned from the groups beyond the first ``tokens`` positions,
-then merged); the same head pipeline then runs on that variant as a frozen model, and the sidecar
-(version 2) carries the delta. The base model's weight files are only read.
+Contract: ``tune(opts)`` loads or generates the tuning and held-out groups
+(``tuning.groups.load_groups``), collects their hidden states (``tuning.data``), trains an exit
+head and a classifier probe per exit layer on the frozen model (``tuning.heads.tune_layers``),
+evaluates them on the held-out tokens and picks thresholds (``tuning.evaluate``), writes the
+sidecar (``save_sidecar``) and the report (``tuning.report``) next to it, and returns the report.
+With ``train_base="lora"`` the model is first trained to exit (``tuning.variant``: a base delta
+learned from the groups beyond the first ``tokens`` positions, then merged); the same head
+pipeline then runs on that variant as a frozen model, and the sidecar (version 2) carries the
+delta. The base model's weight files are only read.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from eeserve.config import eeserve_home
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import max_exit_layer, save_sidecar
 from eeserve.models.loader import load_model, read_config, resolve_model
-from eeserve.tuning.data import Group, collect_splits, load_groups
+from eeserve.tuning.data import collect_splits
+from eeserve.tuning.evaluate import evaluate
+from eeserve.tuning.groups import Group, load_groups
 from eeserve.tuning.heads import init_heads, tune_layers
 from eeserve.tuning.options import TRAIN_BASE, TuneOptions
-from eeserve.tuning.report import evaluate, write_report
+from eeserve.tuning.report import write_report
 from eeserve.tuning.variant import Variant, make_variant, variant_report
 
 

@@ -23,8 +23,9 @@ import torch.nn.functional as F
 
 from eeserve.models.base_delta import BaseDelta, merge_base_delta, rounded, weights_hash
 from eeserve.models.llama import LlamaForCausalLM
-from eeserve.tuning.data import Group, collect
+from eeserve.tuning.data import collect
 from eeserve.tuning.delta_train import train_base_delta
+from eeserve.tuning.groups import Group
 from eeserve.tuning.options import TuneOptions
 
 
