@@ -2,10 +2,12 @@
 pass of decode rows runs its layers in one call (``csrc/decode_stack.cpp``) with the same numbers
 whatever the layer range, context length or thread count, and bad rows raise; exit checks between
 the layers (``run_checked``) score as the check computed apart, leave the layers' output as it
-is, and stop the pass at the first check where a row reaches its threshold."""
+is, and stop the pass at the first check where a row reaches its threshold. The kernel's
+confidence of each measure it computes is held against ``measures.confidence``, the engine's."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -14,10 +16,12 @@ import torch
 
 from eeserve import LLM
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
+from eeserve.engine.measures import confidence
 from eeserve.kernels.fused import CheckedSpan, FusedDecoder, PassAttention, StackCheck
 from eeserve.kernels.native import NativeOps, load
 from eeserve.kernels.packing import NativeRMSNorm, PackedLinear, pack_for_cpu, use_native_ops
 from eeserve.kernels.quant import Int8Linear, quantize_model
+from eeserve.kernels.stack_layout import StackArch, StackMeasure
 from eeserve.models.config import ModelConfig, rope_tables
 from eeserve.models.llama import LlamaForCausalLM, RMSNorm, Rotary
 
@@ -213,12 +217,14 @@ def _decode_pass(
     return (fused, plan, *_inputs(meta))
 
 
-def _stack_args(ops: NativeOps, kv: PagedKVCache) -> tuple[FusedDecoder, list[object]]:
+Args = dict[str, object]  # an op's keyword arguments
+
+
+def _stack_args(ops: NativeOps, kv: PagedKVCache) -> Args:
+    """decode_stack's keyword arguments for the int8 model's three layers over the long decode
+    rows, writing to ``kv``."""
     fused, plan, h, cos, sin = _decode_pass(ops, "int8")
-    args = [h, fused._stack, fused.eps, cos, sin, kv.k, kv.v, 0, plan.slot_mapping,
-            plan.row_slots.contiguous(), plan.row_lens, CFG.num_heads, CFG.num_kv_heads,
-            CFG.intermediate_size, CFG.head_dim**-0.5, 0, [], None, None, None, None]  # fmt: skip
-    return fused, args
+    return fused._stack_args(h, cos, sin, kv.k, kv.v, plan, None, 0, CFG.num_layers)
 
 
 def test_the_output_does_not_depend_on_the_thread_count(ops: NativeOps) -> None:
@@ -230,9 +236,9 @@ def test_the_output_does_not_depend_on_the_thread_count(ops: NativeOps) -> None:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
             kv = _cache(ops, SLOTS)
-            _, args = _stack_args(ops, kv)
+            args = _stack_args(ops, kv)
             with torch.inference_mode():
-                outs.append((ops.ops.decode_stack(*args), kv.k.clone(), kv.v.clone()))
+                outs.append((ops.ops.decode_stack(**args), kv.k.clone(), kv.v.clone()))
     finally:
         torch.set_num_threads(threads)
     for out in outs[1:]:
@@ -243,38 +249,44 @@ def test_the_output_does_not_depend_on_the_thread_count(ops: NativeOps) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda a: a.__setitem__(10, torch.tensor([1, 0, 1])), "row length 0 outside"),
-        (lambda a: a.__setitem__(8, torch.tensor([5, SLOTS, 3])), f"slot {SLOTS} outside the pool"),
-        (lambda a: a.__setitem__(1, a[1][:10]), "11 tensors per layer"),
-        (lambda a: a.__setitem__(7, 2), "layers past the pool"),
-        (lambda a: a.__setitem__(0, a[0][:, :32]), "decode_stack"),
-        (lambda a: a.__setitem__(15, 2), "arch 0 \\(Llama\\) or 1 \\(Gemma 3\\)"),
-        (lambda a: a.__setitem__(16, [0, 1, 0]), "one local flag per Gemma 3 layer, none for"),
-        (lambda a: a.__setitem__(15, 1), "14 tensors per layer"),
+        (lambda a: {"row_lens": torch.tensor([1, 0, 1])}, "row length 0 outside"),
+        (lambda a: {"slot_mapping": torch.tensor([5, SLOTS, 3])}, f"slot {SLOTS} outside the pool"),
+        (lambda a: {"weights": a["weights"][:10]}, "11 tensors per layer"),
+        (lambda a: {"first_layer": 2}, "layers past the pool"),
+        (lambda a: {"h": a["h"][:, :32]}, "decode_stack"),
+        (lambda a: {"arch": 2}, "arch 0 \\(Llama\\) or 1 \\(Gemma 3\\)"),
+        (lambda a: {"local_layers": [0, 1, 0]}, "one local flag per Gemma 3 layer, none for"),
+        (lambda a: {"arch": StackArch.gemma3.value}, "14 tensors per layer"),
     ],
 )
-def test_bad_rows_raise_and_write_nothing(ops: NativeOps, change: object, message: str) -> None:
+def test_bad_rows_raise_and_write_nothing(
+    ops: NativeOps, change: Callable[[Args], Args], message: str
+) -> None:
     kv = _cache(ops, SLOTS)
-    _, args = _stack_args(ops, kv)
-    change(args)  # type: ignore[operator]
+    args = _stack_args(ops, kv)
+    args.update(change(args))
     before = kv.k.clone()
     with pytest.raises(RuntimeError, match=message), torch.inference_mode():
-        ops.ops.decode_stack(*args)
+        ops.ops.decode_stack(**args)
     assert torch.equal(kv.k, before)
 
 
 K = 24  # shortlist rows of the checks below
 
 
+Reference = Callable[[torch.Tensor], torch.Tensor]
+
+
 def _check(
     ops: NativeOps, kind: str, measure: str, with_pre: bool, seed: int
-) -> tuple[StackCheck, object]:
-    """A random check and the reference confidence it must give (h [R, D] -> [R])."""
+) -> tuple[StackCheck, Reference]:
+    """A random check, and the confidence it must give the rows h [R, D]: the engine's
+    ``measures.confidence`` of the check's logits (or probe logit) computed apart."""
     gen = torch.Generator().manual_seed(seed)
     d = CFG.hidden_size
     if measure == "classifier":
         w, b = torch.randn(d, generator=gen), torch.randn(1, generator=gen)
-        return StackCheck.classifier(w, b), lambda h: torch.sigmoid(h @ w + b)
+        return StackCheck.classifier(w, b), lambda h: confidence(measure, None, h, h, h @ w + b)
 
     def linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
         return Int8Linear(weight, bias, ops) if kind == "int8" else PackedLinear(weight, bias, ops)
@@ -283,17 +295,34 @@ def _check(
     norm = NativeRMSNorm(RMSNorm(d, 1e-5).requires_grad_(False), ops)
     rows = linear(torch.randn(K, d, generator=gen), None)
 
-    def conf(h: torch.Tensor) -> torch.Tensor:
-        x = pre(h) if with_pre else h
-        top = rows(norm(x)).softmax(-1).topk(2, dim=-1).values
-        return top[:, 0] - top[:, 1] if measure == "shortlist_margin" else top[:, 0]
+    def reference(h: torch.Tensor) -> torch.Tensor:
+        logits = rows(norm(pre(h) if with_pre else h))
+        return confidence(measure, logits, h, h, None)
 
     check = StackCheck.shortlist(pre if with_pre else None, norm, rows)
     assert check is not None
-    return check, conf
+    return check, reference
 
 
-CHECKS = [("shortlist_margin", True), ("shortlist_max_prob", False), ("classifier", False)]
+# Every measure the kernel computes (a shortlist with its adapter for the margin, without for the
+# top probability), so that the test below holds each one against ``measures.confidence``.
+CHECKS = [(m.name, m is StackMeasure.shortlist_margin) for m in StackMeasure]
+
+
+def _span(
+    checks: list[StackCheck],
+    measure: str,
+    thresholds: torch.Tensor,
+    layers: list[int] | None = None,
+) -> CheckedSpan:
+    """The checks after layers 1 and 2 (or ``layers``) of the K-row shortlist or the probe."""
+    return CheckedSpan(
+        layers=layers or [1, 2],
+        checks=checks,
+        measure=measure,
+        shortlist_rows=K,
+        thresholds=thresholds,
+    )
 
 
 @pytest.mark.parametrize("kind", ["float32", "int8"])
@@ -304,7 +333,7 @@ def test_checks_between_layers_score_as_the_check_apart(
     fused, plan, h, cos, sin = _decode_pass(ops, kind)
     made = [_check(ops, kind, measure, with_pre, seed) for seed in (4, 5)]
     never = torch.full((2, 3), float("inf"))
-    span = CheckedSpan([1, 2], [c for c, _ in made], measure, K, never)
+    span = _span([c for c, _ in made], measure, never)
     ref_kv, got_kv = _cache(ops, SLOTS), _cache(ops, SLOTS)
     with torch.inference_mode():
         got, conf, stopped = fused.run_checked(h, cos, sin, got_kv.k, got_kv.v, plan, 0, 3, span)
@@ -313,7 +342,7 @@ def test_checks_between_layers_score_as_the_check_apart(
         assert torch.equal(got, ref) and torch.equal(got_kv.k, ref_kv.k)
         for c, (layer, (_, reference)) in enumerate(zip(span.layers, made)):
             h_c = fused.run(h, cos, sin, _cache(ops, SLOTS).k, _cache(ops, SLOTS).v, plan, 0, layer)
-            torch.testing.assert_close(conf[c], reference(h_c), atol=1e-5, rtol=1e-5)  # type: ignore[operator]
+            torch.testing.assert_close(conf[c], reference(h_c), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("measure", "with_pre"), CHECKS)
@@ -327,12 +356,12 @@ def test_a_row_at_its_threshold_stops_the_pass_there(
     never = torch.full((2, 3), float("inf"))
     first_kv, kv = _cache(ops, SLOTS), _cache(ops, SLOTS)
     with torch.inference_mode():
-        span = CheckedSpan([1, 2], checks, measure, K, never)
+        span = _span(checks, measure, never)
         _, conf, _ = fused.run_checked(h, cos, sin, _cache(ops, SLOTS).k, _cache(ops, SLOTS).v,
                                        plan, 0, 3, span)  # fmt: skip
         at = never.clone()
         at[0, 1] = conf[0, 1]
-        span = CheckedSpan([1, 2], checks, measure, K, at)
+        span = _span(checks, measure, at)
         got, got_conf, stopped = fused.run_checked(h, cos, sin, kv.k, kv.v, plan, 0, 3, span)
         ref = fused.run(h, cos, sin, first_kv.k, first_kv.v, plan, 0, 1)
     assert stopped == 0
@@ -349,7 +378,7 @@ def test_bad_checks_raise_and_write_nothing(
 ) -> None:
     fused, plan, h, cos, sin = _decode_pass(ops, "float32")
     checks = [_check(ops, "float32", "shortlist_margin", True, seed)[0] for seed in (4, 5)]
-    span = CheckedSpan(layers, checks, "shortlist_margin", K, torch.zeros(2, rows))
+    span = _span(checks, "shortlist_margin", torch.zeros(2, rows), layers)
     kv = _cache(ops, SLOTS)
     before = kv.k.clone()
     with pytest.raises(RuntimeError, match=message), torch.inference_mode():

@@ -19,7 +19,8 @@ from enum import StrEnum
 from eeserve.engine.attention import AttnMeta
 from eeserve.engine.exit_checks import ExitChecks
 from eeserve.engine.exit_state import ExitBatch
-from eeserve.kernels.fused import STACK_MEASURES, FusedDecoder, PassAttention, StackCheck
+from eeserve.kernels.fused import FusedDecoder, PassAttention
+from eeserve.kernels.stack_layout import STACK_MEASURES, StackCheck
 
 
 class Kernel(StrEnum):
@@ -52,7 +53,7 @@ def route_pass(fused: FusedDecoder | None, meta: AttnMeta) -> Route:
     why = ""
     if fused.arch is None:
         why = "the layers are not all of one architecture that decode_stack computes"
-    elif any(a.row_idx is not None or a.span_starts for a in (attention, local)):
+    elif not fused.stacks(attention, local):
         why = "prompt rows in the pass (decode_stack takes one query per row)"
     return Route(
         kernel=Kernel.LAYER_KERNELS if why else Kernel.DECODE_STACK,

@@ -3,7 +3,10 @@
 Contract: ``confidence`` computes a measure (docs/design.md: softmax margin, max prob,
 hidden-state cosine, classifier probe; the two softmax measures also over a vocabulary
 shortlist) for some rows at one exit layer. Only the softmax measures need exit logits; the exit
-loop computes those only where a measure or an exiting row needs them.
+loop computes those only where a measure or an exiting row needs them. This is the engine's one
+statement of the arithmetic in Python; the layer kernel's twin for the measures it computes
+between layers (``kernels.stack_layout.StackMeasure``) is ``csrc/stack_checks.h``'s, and
+tests/test_fused.py holds each of those against this function.
 """
 
 from __future__ import annotations

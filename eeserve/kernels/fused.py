@@ -14,68 +14,48 @@ attend one query each (decode steps) runs the whole range in one call (``decode_
 checks between its layers (``decode_stack_checked``), stopping after the first check where a
 row may leave. Tensors come in plain (the pools, slot tables):
 this layer does not know the engine's cache classes.
+
+The hand-offs are named: a layer's tensors are a ``LlamaLayerWeights`` or ``Gemma3LayerWeights``,
+a check's a ``StackCheck``, the layer type and measure codes ``StackArch`` and ``StackMeasure``,
+and every op is called with keyword arguments. The dataclasses' field order is the order of the
+kernels' flat tensor lists; ``check_layout`` holds it (and the codes) against the tables the
+kernels export (``stack_layout()``, ``csrc/stack_layout.h``), and ``build`` raises on a mismatch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from eeserve.kernels.native import NativeOps
-from eeserve.kernels.packing import NativeRMSNorm, PackedLinear
-from eeserve.kernels.quant import Int8Linear
+from eeserve.kernels.packing import NativeRMSNorm
+from eeserve.kernels.stack_layout import (
+    LAYER_WEIGHTS,
+    STACK_MEASURES,
+    Gemma3LayerWeights,
+    LayerWeights,
+    LlamaLayerWeights,
+    Projection,
+    StackArch,
+    StackCheck,
+    check_layout,
+    named_tensors,
+    projection,
+)
 from eeserve.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer
 from eeserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
-# decode_stack's layer types (its ``arch``), and their tensors per layer in its weight list: the
-# layer kernel's weights without eps (decoder_layer's, gemma3_layer's).
-STACK_ARCH = {"llama": 0, "gemma3": 1}
-STACK_TENSORS = {"llama": 11, "gemma3": 14}
-_EPS_INDEX = {"llama": 2, "gemma3": 6}  # where eps sits among a layer kernel's weights
 Tables = tuple[torch.Tensor, torch.Tensor]  # a layer's rotary (cos, sin), each [R, head_dim]
-# (packed weight, int8 scales or None, bias or None)
-Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-# The exit measures decode_stack_checked computes between layers, by the kernel's code for them.
-STACK_MEASURES = {"shortlist_max_prob": 0, "shortlist_margin": 1, "classifier": 2}
 
 
-@dataclass(frozen=True)
-class StackCheck:
-    """One exit layer's check in decode_stack_checked's terms: six tensors (shortlist: the
-    adapter's packed weight, scales and bias, or three None; the unit norm's weight [D]; the
-    rows' packed weight and scales. Classifier: weight [D], None, bias [1], None, None, None)
-    and the norm's epsilon."""
-
-    tensors: tuple[torch.Tensor | None, ...]
-    eps: float = 0.0
-
-    @classmethod
-    def shortlist(
-        cls, pre: torch.nn.Module | None, norm: torch.nn.Module, rows: torch.nn.Module
-    ) -> StackCheck | None:
-        """From a shortlist head's modules; None unless each runs on the engine's kernels."""
-        pre_p = None if pre is None else projection(pre)
-        rows_p = projection(rows)
-        if (pre is not None and pre_p is None) or rows_p is None or rows_p[2] is not None:
-            return None
-        if not isinstance(norm, NativeRMSNorm):
-            return None
-        first = pre_p if pre_p is not None else (None, None, None)
-        return cls((*first, norm.weight.detach(), rows_p[0], rows_p[1]), norm.eps)
-
-    @classmethod
-    def classifier(cls, weight: torch.Tensor, bias: torch.Tensor) -> StackCheck:
-        """A probe: weight [D], bias [1] (float32)."""
-        return cls((weight.contiguous(), None, bias.contiguous(), None, None, None))
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckedSpan:
     """The checks of a run of layers: after 1-based layer ``layers[c]`` check ``checks[c]``
-    under ``measure``; row r stops the run at check c when its confidence reaches
-    ``thresholds[c, r]`` (-inf: there; +inf: never)."""
+    under ``measure`` (a name in ``STACK_MEASURES``); row r stops the run at check c when its
+    confidence reaches ``thresholds[c, r]`` (-inf: there; +inf: never)."""
 
     layers: list[int]
     checks: list[StackCheck]
@@ -98,23 +78,21 @@ class PassAttention:
     span_positions: list[torch.Tensor] = field(default_factory=list)  # [n] its query positions
 
 
-def projection(module: torch.nn.Module) -> Projection | None:
-    """A projection's packed tensors when it runs on one of the engine's kernels, else None."""
-    if isinstance(module, PackedLinear) and module.ops is not None:
-        return module.packed, None, module.bias
-    if isinstance(module, Int8Linear) and module.ops is not None:
-        return module.qweight, module.scale, module.bias
-    return None
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FusedLayer:
-    """One layer's kernel, its static arguments, and whether it is a local layer (Gemma 3: the
-    local rotary tables, attention within the window)."""
+    """One layer's kernel, its weights, and whether it is a local layer (Gemma 3: the local
+    rotary tables, attention within the window)."""
 
-    op: Any  # torch.ops.eeserve.decoder_layer or gemma3_layer
-    weights: tuple[object, ...]
+    op: Any  # torch.ops.eeserve.decoder_layer.default or gemma3_layer.default
+    arch: StackArch
+    weights: LayerWeights
+    eps: float
     local: bool = False
+
+    @cached_property
+    def args(self) -> dict[str, object]:
+        """``op``'s keyword arguments that stay the same at every call: weights and eps."""
+        return {**named_tensors(self.weights), "eps": self.eps}
 
 
 def _projections(
@@ -133,26 +111,75 @@ def _projections(
 def _layer(layer: LlamaDecoderLayer, eps: float, ops: NativeOps) -> FusedLayer | None:
     """The layer's kernel call, or None when no kernel computes it."""
     if type(layer) is LlamaDecoderLayer:
-        norms: tuple[torch.nn.Module, ...] = (layer.input_layernorm, layer.post_attention_layernorm)
-        projs = _projections(layer, norms)
-        if projs is None or any(p[2] is not None for p in projs[1:]):  # only QKV's bias is added
-            return None
-        qkv, o, gate_up, down = projs
-        weights = (norms[0].weight, norms[1].weight, eps, *qkv, *o[:2], *gate_up[:2], *down[:2])
-        return FusedLayer(ops.ops.decoder_layer, weights)
-    attn = layer.self_attn
-    if type(layer) is Gemma3DecoderLayer and isinstance(attn, Gemma3Attention):
-        norms = (
-            layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
-            layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm,
-        )  # fmt: skip
-        projs = _projections(layer, norms)
-        if projs is None or any(p[2] is not None for p in projs):
-            return None
-        parts = tuple(t for p in projs for t in p[:2])
-        norm_weights = tuple(n.weight for n in norms)
-        return FusedLayer(ops.ops.gemma3_layer, (*norm_weights, eps, *parts), attn.local)
+        return _llama_layer(layer, eps, ops)
+    if type(layer) is Gemma3DecoderLayer and isinstance(layer.self_attn, Gemma3Attention):
+        return _gemma3_layer(layer, layer.self_attn, eps, ops)
     return None  # another layer type: the modules compute it
+
+
+def _llama_layer(layer: LlamaDecoderLayer, eps: float, ops: NativeOps) -> FusedLayer | None:
+    norms: tuple[torch.nn.Module, ...] = (layer.input_layernorm, layer.post_attention_layernorm)
+    projs = _projections(layer, norms)
+    if projs is None or any(p.bias is not None for p in projs[1:]):  # only QKV's bias is added
+        return None
+    qkv, o, gate_up, down = projs
+    weights = LlamaLayerWeights(
+        norm1=_weight(norms[0]),
+        norm2=_weight(norms[1]),
+        qkv_w=qkv.weight,
+        qkv_s=qkv.scale,
+        qkv_b=qkv.bias,
+        o_w=o.weight,
+        o_s=o.scale,
+        gate_up_w=gate_up.weight,
+        gate_up_s=gate_up.scale,
+        down_w=down.weight,
+        down_s=down.scale,
+    )
+    op = ops.ops.decoder_layer.default
+    return FusedLayer(op=op, arch=StackArch.llama, weights=weights, eps=eps)
+
+
+def _gemma3_layer(
+    layer: Gemma3DecoderLayer, attn: Gemma3Attention, eps: float, ops: NativeOps
+) -> FusedLayer | None:
+    norms = (
+        layer.input_layernorm,
+        layer.post_attention_layernorm,
+        layer.pre_feedforward_layernorm,
+        layer.post_feedforward_layernorm,
+        attn.q_norm,
+        attn.k_norm,
+    )
+    projs = _projections(layer, norms)
+    if projs is None or any(p.bias is not None for p in projs):
+        return None
+    qkv, o, gate_up, down = projs
+    in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm, q_norm, k_norm = map(_weight, norms)
+    weights = Gemma3LayerWeights(
+        in_norm=in_norm,
+        attn_out_norm=attn_out_norm,
+        mlp_in_norm=mlp_in_norm,
+        mlp_out_norm=mlp_out_norm,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        qkv_w=qkv.weight,
+        qkv_s=qkv.scale,
+        o_w=o.weight,
+        o_s=o.scale,
+        gate_up_w=gate_up.weight,
+        gate_up_s=gate_up.scale,
+        down_w=down.weight,
+        down_s=down.scale,
+    )
+    op, arch = ops.ops.gemma3_layer.default, StackArch.gemma3
+    return FusedLayer(op=op, arch=arch, weights=weights, eps=eps, local=attn.local)
+
+
+def _weight(norm: torch.nn.Module) -> torch.Tensor:
+    """A norm's weight (``_projections`` saw that it is a ``NativeRMSNorm``)."""
+    assert isinstance(norm, NativeRMSNorm)
+    return norm.weight
 
 
 class FusedDecoder:
@@ -165,18 +192,33 @@ class FusedDecoder:
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.intermediate = cfg.intermediate_size
         self.scale = cfg.head_dim**-0.5
-        # Every layer's weights in decode_stack's order (STACK_TENSORS a layer), when the layers
-        # are all of one type it computes: a pass of decode rows then runs them in one call.
-        self._stack: list[object] | None = None
-        self.arch = next((a for a, op in (("llama", ops.ops.decoder_layer),
-                                          ("gemma3", ops.ops.gemma3_layer))
-                          if all(layer.op is op for layer in layers)), None)  # fmt: skip
+        # The layers' one type when decode_stack computes them all: a pass of decode rows then
+        # runs them in one call (None: layer by layer).
+        archs = {layer.arch for layer in layers}
+        self.arch: StackArch | None = archs.pop() if len(archs) == 1 else None
+        # Every layer's tensors in decode_stack's order (_per_layer a layer), flattened once.
+        self._stack: list[torch.Tensor | None] | None = None
+        self._per_layer = 0
+        # decode_stack's keyword arguments that are the same at every call.
+        self._stack_static: dict[str, object] = {}
         if self.arch is not None:
-            at = _EPS_INDEX[self.arch]
-            self.eps = layers[0].weights[at]
-            self._stack = [t for layer in layers for i, t in enumerate(layer.weights) if i != at]
+            self._per_layer = len(fields(LAYER_WEIGHTS[self.arch]))
+            self._stack = [t for y in layers for t in named_tensors(y.weights).values()]
+            self._stack_static = {
+                "eps": layers[0].eps,
+                "num_heads": self.num_heads,
+                "num_kv_heads": self.num_kv_heads,
+                "intermediate": self.intermediate,
+                "scale": self.scale,
+                "arch": self.arch.value,
+            }
+        # The ops' overloads themselves: keyword arguments to an overload packet are matched
+        # against its overloads at every call (~7 us for decode_stack's), to one overload not.
+        self._decode_stack = ops.ops.decode_stack.default
+        self._decode_stack_checked = ops.ops.decode_stack_checked.default
         # decode_stack's local_layers: a flag per Gemma 3 layer, none for Llama.
-        self._local_flags = [int(y.local) for y in layers] if self.arch == "gemma3" else []
+        gemma3 = self.arch is StackArch.gemma3
+        self._local_flags = [int(y.local) for y in layers] if gemma3 else []
         # Per-layer views of the KV pools, made once per pool (``_pool_views``).
         self._pools: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         # The last pass's rotary tables and their halves (``_rotary_tables``).
@@ -193,8 +235,11 @@ class FusedDecoder:
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, ops: NativeOps | None) -> FusedDecoder | None:
+        """The model's decoder on the kernels, or None (see the module's contract). Raises
+        RuntimeError when the kernels' hand-off layout differs from this module's."""
         if ops is None:
             return None
+        check_layout(ops)
         if len({w for w in model.config.layer_windows() if w is not None}) > 1:
             return None  # one window for every local layer (Gemma 3) is what run() passes
         layers: list[FusedLayer] = []
@@ -221,16 +266,19 @@ class FusedDecoder:
         as ``attn``)."""
         stop = len(self.layers) if end is None else end
         if self.stacks(attn, local_attn):
-            args = self._stack_args((h, cos, sin, k_pool, v_pool), attn, local_attn, start, stop)
-            return self.ops.ops.decode_stack(*args)  # type: ignore[no-any-return]
+            args = self._stack_args(h, cos, sin, k_pool, v_pool, attn, local_attn, start, stop)
+            return self._decode_stack(**args)  # type: ignore[no-any-return]
         pools = self._pool_views(k_pool, v_pool)
         tables = self._rotary_tables(cos, sin)
         # The same per-pass arguments for every layer: built once, not per layer call.
-        metas = {local: self._pass_args(local_attn if local and local_attn else attn)
-                 for local in (False, True)}  # fmt: skip
+        passes = {
+            local: self._pass_args(local_attn if local and local_attn else attn, *tables[local])
+            for local in (False, True)
+        }
         for i in range(start, stop):
             layer = self.layers[i]  # its registered op itself: no wrapper frame per layer
-            h = layer.op(h, *layer.weights, *tables[layer.local], *pools[i], *metas[layer.local])
+            k_cache, v_cache = pools[i]
+            h = layer.op(h=h, k_cache=k_cache, v_cache=v_cache, **layer.args, **passes[layer.local])
         return h
 
     def stacks(self, attn: PassAttention, local_attn: PassAttention | None = None) -> bool:
@@ -257,39 +305,54 @@ class FusedDecoder:
         local_attn)`` must hold): (the output [R, D] of the last layer run, the confidences
         [C, R] (NaN for checks not reached), the check that stopped the run or -1)."""
         assert self.stacks(attn, local_attn)
-        after = [layer - 1 - start for layer in span.layers]
-        tensors = [t for c in span.checks for t in c.tensors]
-        out, conf, stopped = self.ops.ops.decode_stack_checked(
-            *self._stack_args((h, cos, sin, k_pool, v_pool), attn, local_attn, start, stop),
-            after, [c.eps for c in span.checks], tensors, STACK_MEASURES[span.measure],
-            span.shortlist_rows, span.thresholds,
-        )  # fmt: skip
+        out, conf, stopped = self._decode_stack_checked(
+            **self._stack_args(h, cos, sin, k_pool, v_pool, attn, local_attn, start, stop),
+            check_after=[layer - 1 - start for layer in span.layers],
+            check_eps=[c.eps for c in span.checks],
+            check_weights=[t for c in span.checks for t in c.tensors],
+            measure=STACK_MEASURES[span.measure].value,
+            shortlist_rows=span.shortlist_rows,
+            thresholds=span.thresholds,
+        )
         return out, conf, int(stopped)
 
     def _stack_args(
         self,
-        tensors: tuple[torch.Tensor, ...],
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
         attn: PassAttention,
         local_attn: PassAttention | None,
         start: int,
         stop: int,
-    ) -> list[object]:
-        """decode_stack's arguments for layers ``[start, stop)`` of rows that each attend one
-        query (decode steps); decode_stack_checked's first ones. ``tensors``: (h [R, D], cos,
-        sin, k_pool, v_pool); ``local_attn``: the rows' contexts in local layers (None: as
-        ``attn``)."""
-        assert self._stack is not None and self.arch is not None
-        h, cos, sin, k_pool, v_pool = tensors
-        n = STACK_TENSORS[self.arch]
+    ) -> dict[str, object]:
+        """decode_stack's keyword arguments for layers ``[start, stop)`` of rows that each
+        attend one query (decode steps); decode_stack_checked's first ones. ``local_attn``: the
+        rows' contexts in local layers (None: as ``attn``)."""
+        assert self._stack is not None
+        n = self._per_layer
         tables = self._rotary_tables(cos, sin)
         local = local_attn or attn
-        return [
-            h.contiguous(), self._stack[start * n : stop * n], self.eps, *tables[False], k_pool,
-            v_pool, start, attn.slot_mapping, attn.row_slots.contiguous(), attn.row_lens,
-            self.num_heads, self.num_kv_heads, self.intermediate, self.scale,
-            STACK_ARCH[self.arch], self._local_flags[start:stop],
-            *tables[True], local.row_slots.contiguous(), local.row_lens,
-        ]  # fmt: skip
+        return dict(
+            self._stack_static,
+            h=h.contiguous(),
+            weights=self._stack[start * n : stop * n],
+            cos=tables[False][0],
+            sin=tables[False][1],
+            k_pool=k_pool,
+            v_pool=v_pool,
+            first_layer=start,
+            slot_mapping=attn.slot_mapping,
+            row_slots=attn.row_slots.contiguous(),
+            row_lens=attn.row_lens,
+            local_layers=self._local_flags[start:stop],
+            local_cos=tables[True][0],
+            local_sin=tables[True][1],
+            local_slots=local.row_slots.contiguous(),
+            local_lens=local.row_lens,
+        )
 
     def _rotary_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> dict[bool, Tables]:
         """Global (False) and local (True) layers' (cos, sin). Gemma's [R, 2 * head_dim] tables
@@ -299,14 +362,28 @@ class FusedDecoder:
             return {False: (cos, sin), True: (cos, sin)}
         if self._tables is None or self._tables[0] is not cos:
             hd = self.head_dim
-            halves = {False: (cos[:, :hd].contiguous(), sin[:, :hd].contiguous()),
-                      True: (cos[:, hd:].contiguous(), sin[:, hd:].contiguous())}  # fmt: skip
-            self._tables = (cos, halves)
+            glob = (cos[:, :hd].contiguous(), sin[:, :hd].contiguous())
+            local = (cos[:, hd:].contiguous(), sin[:, hd:].contiguous())
+            self._tables = (cos, {False: glob, True: local})
         return self._tables[1]
 
-    def _pass_args(self, attn: PassAttention) -> tuple[object, ...]:
-        return (
-            attn.slot_mapping, attn.row_idx, attn.row_slots, attn.row_lens,
-            attn.span_starts, attn.span_slots, attn.span_positions,
-            self.num_heads, self.num_kv_heads, self.intermediate, self.scale,
-        )  # fmt: skip
+    def _pass_args(
+        self, attn: PassAttention, cos: torch.Tensor, sin: torch.Tensor
+    ) -> dict[str, object]:
+        """A layer op's keyword arguments that are the same for every layer of a pass (of its
+        kind: global or local)."""
+        return {
+            "cos": cos,
+            "sin": sin,
+            "slot_mapping": attn.slot_mapping,
+            "row_idx": attn.row_idx,
+            "row_slots": attn.row_slots,
+            "row_lens": attn.row_lens,
+            "span_starts": attn.span_starts,
+            "span_slots": attn.span_slots,
+            "span_positions": attn.span_positions,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "intermediate": self.intermediate,
+            "scale": self.scale,
+        }

@@ -38,6 +38,7 @@ _HEADER_NAMES = (
     "linear_tiles.h",
     "attend.h",
     "row_ops.h",
+    "stack_layout.h",
     "stack_pass.h",
     "stack_checks.h",
 )

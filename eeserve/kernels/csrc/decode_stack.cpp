@@ -5,12 +5,13 @@
 // [layers, slots, Hkv, hd], first_layer, slot_mapping [R], row_slots [R, T], row_lens [R],
 // num_heads, num_kv_heads, intermediate, scale, arch, local_layers, local_cos, local_sin,
 // local_slots, local_lens) -> the output [R, D] of layers first_layer .. first_layer + L - 1.
-// arch 0 (Llama): weights holds, per layer, the 11 tensors (norm1, norm2, qkv_w, qkv_s, qkv_b,
-// o_w, o_s, gate_up_w, gate_up_s, down_w, down_s) that decoder_layer (layer_ops.cpp) takes, and
-// the local arguments are empty. arch 1 (Gemma 3): the 14 tensors of gemma3_layer (in_norm,
-// attn_out_norm, mlp_in_norm, mlp_out_norm, q_norm, k_norm, then the four projections' weight and
-// scale); local_layers[l] says whether layer l of the call is a sliding-window layer, which
-// rotates with local_cos/local_sin and attends over local_slots[r, :local_lens[r]] (the window).
+// arch 0 (Llama): weights holds, per layer, the tensors of stack_layout.h's Llama table (norm1,
+// norm2, qkv_w, qkv_s, qkv_b, o_w, o_s, gate_up_w, gate_up_s, down_w, down_s: decoder_layer's,
+// layer_ops.cpp), and the local arguments are empty. arch 1 (Gemma 3): those of its Gemma 3 table
+// (gemma3_layer's: in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm, q_norm, k_norm, then the four
+// projections' weight and scale); local_layers[l] says whether layer l of the call is a
+// sliding-window layer, which rotates with local_cos/local_sin and attends over
+// local_slots[r, :local_lens[r]] (the window). stack_layout() returns those tables by name.
 // A projection's scale is None when it is float32. Every row attends row-wise: row r is one query
 // at its sequence's next position, over row_slots[r, :row_lens[r]] (its own slot last), and its
 // new K/V go to slot_mapping[r] of each layer's pool. The result is decoder_layer's (or
@@ -27,9 +28,10 @@
 // the list, and the core that finished the glue early starts streaming the next weights.
 //
 // decode_stack_checked adds exit checks between the layers (a shortlist's softmax confidence or
-// a classifier probe, per row) and stops after the first check where a row may leave: a decode
-// step where nothing exits runs all its layers and checks in one call, without returning to
-// Python at each exit layer (docs/early-exit.md, "Cost of a check").
+// a classifier probe, per row; a check's tensors and the measure codes in stack_layout.h) and
+// stops after the first check where a row may leave: a decode step where nothing exits runs all
+// its layers and checks in one call, without returning to Python at each exit layer
+// (docs/early-exit.md, "Cost of a check").
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,6 +41,7 @@
 #include "linear_tiles.h"
 #include "row_ops.h"
 #include "stack_checks.h"
+#include "stack_layout.h"
 #include "stack_pass.h"
 
 #include <immintrin.h>
@@ -48,6 +51,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <string>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -311,7 +315,8 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_stack_checked(
     at::IntArrayRef check_after, at::ArrayRef<double> check_eps,
     const c10::List<c10::optional<at::Tensor>>& check_weights, int64_t measure, int64_t shortlist_rows,
     const at::Tensor& thresholds) {
-  TORCH_CHECK(measure >= 0 && measure <= 2, "decode_stack_checked: measure 0 (max prob), 1 (margin), 2 (classifier)");
+  TORCH_CHECK(measure >= 0 && measure < static_cast<int64_t>(Measure::count),
+              "decode_stack_checked: a measure code of stack_layout()'s measures");
   const Arch ar = read_arch(arch);
   const Measure m = static_cast<Measure>(measure);
   const int64_t K = m == Measure::Classifier ? 0 : shortlist_rows;
@@ -329,6 +334,21 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_stack_checked(
   return {out, conf, ps.stopped.load()};
 }
 
+// The names of the tables in stack_layout.h, in their order: (layer types, a Llama layer's
+// tensors, a Gemma 3 layer's, a check's, measures). kernels/fused.py checks its own against them.
+template <size_t N>
+c10::List<std::string> names(const char* const (&table)[N]) {
+  c10::List<std::string> out;
+  for (const char* name : table) out.push_back(name);
+  return out;
+}
+
+std::tuple<c10::List<std::string>, c10::List<std::string>, c10::List<std::string>, c10::List<std::string>,
+           c10::List<std::string>>
+stack_layout() {
+  return {names(ARCH_NAMES), names(LLAMA_TENSORS), names(GEMMA3_TENSORS), names(CHECK_TENSORS), names(MEASURE_NAMES)};
+}
+
 }  // namespace
 
 // The arguments decode_stack and decode_stack_checked share.
@@ -343,6 +363,8 @@ TORCH_LIBRARY_FRAGMENT(eeserve, m) {
   m.def("decode_stack_checked(" EESERVE_STACK_ARGS
         ", int[] check_after, float[] check_eps, Tensor?[] check_weights, int measure, int shortlist_rows, "
         "Tensor thresholds) -> (Tensor, Tensor, int)");
+  // No tensor argument to dispatch on: one kernel for every backend.
+  m.def("stack_layout() -> (str[] archs, str[] llama, str[] gemma3, str[] check, str[] measures)", &stack_layout);
 }
 
 TORCH_LIBRARY_IMPL(eeserve, CPU, m) {

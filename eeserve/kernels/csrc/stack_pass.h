@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 
 #include "linear_tiles.h"
+#include "stack_layout.h"
 
 #include <algorithm>
 #include <atomic>
@@ -23,14 +24,8 @@ namespace eeserve_stack {
 
 using eeserve_linear::CHUNK;
 using eeserve_linear::TILE;
-// The layer types of a call and their tensors per layer in `weights`: Llama's (norm1, norm2,
-// qkv_w, qkv_s, qkv_b, o_w, o_s, gate_up_w, gate_up_s, down_w, down_s) and Gemma 3's (in_norm,
-// attn_out_norm, mlp_in_norm, mlp_out_norm, q_norm, k_norm, qkv_w, qkv_s, o_w, o_s, gate_up_w,
-// gate_up_s, down_w, down_s).
-enum class Arch { Llama = 0, Gemma3 = 1 };
-inline int64_t per_layer(Arch a) { return a == Arch::Llama ? 11 : 14; }
 inline Arch read_arch(int64_t a) {
-  TORCH_CHECK(a == 0 || a == 1, "decode_stack: arch 0 (Llama) or 1 (Gemma 3)");
+  TORCH_CHECK(a >= 0 && a < static_cast<int64_t>(Arch::count), "decode_stack: arch 0 (Llama) or 1 (Gemma 3)");
   return static_cast<Arch>(a);
 }
 
@@ -65,9 +60,8 @@ struct Context {
   std::vector<int64_t> first;
 };
 
-// An exit check after a layer of the pass: its measure's confidence per row (decode_stack_checked).
-enum class Measure { ShortlistMaxProb = 0, ShortlistMargin = 1, Classifier = 2 };
-
+// An exit check after a layer of the pass: its measure's confidence per row (decode_stack_checked;
+// the measures in stack_layout.h).
 struct Check {
   int64_t after = 0;           // the layer (0-based in the call) whose output it reads
   float eps = 0.f;             // its RMS norm's
@@ -175,8 +169,8 @@ inline const float* norm_arg(const c10::optional<at::Tensor>& w, int64_t n) {
   return w->data_ptr<float>();
 }
 
-// The call's layers from `weights` (per_layer(arch) tensors each); local[l]: layer l of the call
-// is a sliding-window layer (Gemma 3; empty for Llama).
+// The call's layers from `weights` (per_layer(arch) tensors each, in stack_layout.h's order);
+// local[l]: layer l of the call is a sliding-window layer (Gemma 3; empty for Llama).
 inline std::vector<Layer> read_layers(const c10::List<c10::optional<at::Tensor>>& weights, Arch arch,
                                       at::IntArrayRef local, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                       int64_t first_layer, int64_t D, int64_t H, int64_t Hkv, int64_t hd, int64_t I) {
@@ -186,24 +180,28 @@ inline std::vector<Layer> read_layers(const c10::List<c10::optional<at::Tensor>>
   TORCH_CHECK(first_layer >= 0 && first_layer + L <= k_pool.size(0), "decode_stack: layers past the pool");
   TORCH_CHECK(arch == Arch::Gemma3 ? static_cast<int64_t>(local.size()) == L : local.empty(),
               "decode_stack: one local flag per Gemma 3 layer, none for Llama");
-  const int64_t layer_elems = k_pool.size(1) * Hkv * hd;
+  const int64_t layer_elems = k_pool.size(1) * Hkv * hd, qkv = (H + 2 * Hkv) * hd;
   std::vector<Layer> layers;
   for (int64_t l = 0; l < L; ++l) {
     auto arg = [&](int64_t j) { return c10::optional<at::Tensor>(weights.get(l * n + j)); };
     float* kc = k_pool.data_ptr<float>() + (first_layer + l) * layer_elems;
     float* vc = v_pool.data_ptr<float>() + (first_layer + l) * layer_elems;
     if (arch == Arch::Llama) {
-      layers.push_back(Layer{norm_arg(arg(0), D), norm_arg(arg(1), D),
-                             make_proj(arg(2), arg(3), arg(4), (H + 2 * Hkv) * hd, D),
-                             make_proj(arg(5), arg(6), {}, D, H * hd), make_proj(arg(7), arg(8), {}, 2 * I, D),
-                             make_proj(arg(9), arg(10), {}, D, I), kc, vc});
+      using W = LlamaW;
+      layers.push_back(Layer{norm_arg(arg(W::norm1), D), norm_arg(arg(W::norm2), D),
+                             make_proj(arg(W::qkv_w), arg(W::qkv_s), arg(W::qkv_b), qkv, D),
+                             make_proj(arg(W::o_w), arg(W::o_s), {}, D, H * hd),
+                             make_proj(arg(W::gate_up_w), arg(W::gate_up_s), {}, 2 * I, D),
+                             make_proj(arg(W::down_w), arg(W::down_s), {}, D, I), kc, vc});
       continue;
     }
-    Layer y{norm_arg(arg(0), D), norm_arg(arg(2), D),
-            make_proj(arg(6), arg(7), {}, (H + 2 * Hkv) * hd, D), make_proj(arg(8), arg(9), {}, D, H * hd),
-            make_proj(arg(10), arg(11), {}, 2 * I, D), make_proj(arg(12), arg(13), {}, D, I), kc, vc};
-    y.attn_out_norm = norm_arg(arg(1), D), y.mlp_out_norm = norm_arg(arg(3), D);
-    y.q_norm = norm_arg(arg(4), hd), y.k_norm = norm_arg(arg(5), hd);
+    using W = Gemma3W;
+    Layer y{norm_arg(arg(W::in_norm), D), norm_arg(arg(W::mlp_in_norm), D),
+            make_proj(arg(W::qkv_w), arg(W::qkv_s), {}, qkv, D), make_proj(arg(W::o_w), arg(W::o_s), {}, D, H * hd),
+            make_proj(arg(W::gate_up_w), arg(W::gate_up_s), {}, 2 * I, D),
+            make_proj(arg(W::down_w), arg(W::down_s), {}, D, I), kc, vc};
+    y.attn_out_norm = norm_arg(arg(W::attn_out_norm), D), y.mlp_out_norm = norm_arg(arg(W::mlp_out_norm), D);
+    y.q_norm = norm_arg(arg(W::q_norm), hd), y.k_norm = norm_arg(arg(W::k_norm), hd);
     y.local = local[l] != 0;
     layers.push_back(y);
   }
