@@ -186,9 +186,18 @@ def logprob_error(
 
 _LIVE_LLMS: weakref.WeakSet[LLM] = weakref.WeakSet()
 
+# The KV pool of a tiny model's engine: its 64 sequences at their full 512 positions (1-2 KiB a
+# position). The engine's default, 512 MiB, is zero-filled at every build: most of a tiny engine's
+# build time, and most of the suite's memory where fixtures hold engines.
+TINY_KV_BYTES = 32 * 2**20
+
 
 def make_llm(model: str | Path, **options: Any) -> LLM:
-    """An ``LLM`` that the suite's autouse fixture checks for leaks after every test."""
+    """An ``LLM`` that the suite's autouse fixture checks for leaks after every test. A model
+    folder (the suite's tiny models) gets a ``TINY_KV_BYTES`` pool unless ``options`` name one;
+    a model name (``smollm2``) keeps the engine's default."""
+    if Path(model).is_dir():
+        options.setdefault("kv_cache_memory", TINY_KV_BYTES)
     llm = LLM(str(model), **options)
     _LIVE_LLMS.add(llm)
     return llm
