@@ -13,7 +13,7 @@ from eeserve import LLM, SamplingParams
 from eeserve.exit_params import ExitParams
 from eeserve.models.config import rope_tables
 from eeserve.models.llama import apply_rotary
-from tests.tiny_model import assert_cache_matches_hf, run_together, step_until_debt
+from tests.tiny_model import TINY_KV_BYTES, assert_cache_matches_hf, run_together, step_until_debt
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -30,7 +30,12 @@ def _gen(llm: LLM, prompts: list[str], exit_params: ExitParams | list[ExitParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_varied_dir: Path) -> LLM:
-    return LLM(str(tiny_varied_dir), exit_policy="per_sequence", enable_prefix_caching=False)
+    return LLM(
+        str(tiny_varied_dir),
+        kv_cache_memory=TINY_KV_BYTES,
+        exit_policy="per_sequence",
+        enable_prefix_caching=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +124,12 @@ def test_per_sequence_rows_leave_at_their_own_first_confident_exit(llm: LLM) -> 
 
 
 def test_batch_all_stops_where_every_row_is_confident(tiny_varied_dir: Path) -> None:
-    llm = LLM(str(tiny_varied_dir), exit_policy="batch_all", enable_prefix_caching=False)
+    llm = LLM(
+        str(tiny_varied_dir),
+        kv_cache_memory=TINY_KV_BYTES,
+        exit_policy="batch_all",
+        enable_prefix_caching=False,
+    )
     outs = _gen(llm, PROMPTS, _row_exit_params())
     for c in outs:
         assert c.exit_layers[1:] == [3] * 11  # the slowest row holds everyone to layer 3
@@ -135,7 +145,12 @@ def test_batch_all_stops_where_every_row_is_confident(tiny_varied_dir: Path) -> 
 def test_fill_writes_the_reference_kv_of_skipped_layers(tiny_varied_dir: Path) -> None:
     """After one decode step where rows exit at layers 1, 2 and L, the cache rows of each exited
     token for every deeper layer equal norm -> K/V projection -> rotary of its exit hidden state."""
-    llm = LLM(str(tiny_varied_dir), enable_prefix_caching=False, exit_policy="per_sequence")
+    llm = LLM(
+        str(tiny_varied_dir),
+        kv_cache_memory=TINY_KV_BYTES,
+        enable_prefix_caching=False,
+        exit_policy="per_sequence",
+    )
     engine = llm.engine
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     exits = [
@@ -177,7 +192,7 @@ def test_fill_writes_the_reference_kv_of_skipped_layers(tiny_varied_dir: Path) -
 
 def test_layers_run_match_exit_telemetry(tiny_varied_dir: Path) -> None:
     """Count decoder-layer rows actually computed with hooks; compare with the exit record."""
-    llm = LLM(str(tiny_varied_dir), enable_prefix_caching=False)
+    llm = LLM(str(tiny_varied_dir), kv_cache_memory=TINY_KV_BYTES, enable_prefix_caching=False)
     rows = [0]
 
     def count(_m: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
@@ -189,10 +204,10 @@ def test_layers_run_match_exit_telemetry(tiny_varied_dir: Path) -> None:
     if fused is not None:  # passes run whole layers in one kernel call, past the hooks
         run = fused.run
 
-        def counted(h: torch.Tensor, *args: Any) -> torch.Tensor:
+        def counted(call: Any, h: torch.Tensor, *args: Any) -> torch.Tensor:
             start, end = args[5], args[6]  # LayerStack.run passes the layer range last
             rows[0] += h.shape[0] * (end - start)
-            return run(h, *args)
+            return run(call, h, *args)
 
         fused.run = counted  # type: ignore[method-assign]
     (c,) = _gen(llm, PROMPTS[:1], ExitParams(threshold=0.05, exit_layers=[1, 2, 3]))
@@ -210,7 +225,12 @@ def test_preemption_and_prefix_caching_keep_exit_outputs(
     tiny_varied_dir: Path, policy: str
 ) -> None:
     exit_params = ExitParams(threshold=0.05, exit_layers=[1, 2, 3])
-    roomy = LLM(str(tiny_varied_dir), exit_policy=policy, enable_prefix_caching=False)
+    roomy = LLM(
+        str(tiny_varied_dir),
+        kv_cache_memory=TINY_KV_BYTES,
+        exit_policy=policy,
+        enable_prefix_caching=False,
+    )
     ref = _gen(roomy, PROMPTS, exit_params)
     # About two sequences' worth of blocks for three: preemption must happen.
     per_token = 2 * L * 2 * 16 * 4  # K and V, layers, kv heads, head dim, float32 bytes
@@ -223,7 +243,9 @@ def test_preemption_and_prefix_caching_keep_exit_outputs(
     assert [c.exit_layers for c in got] == [c.exit_layers for c in ref]
     assert any(layer < L for c in ref for layer in c.exit_layers), "no exit: weak test"
     # Prefix caching on, shared prefixes: same outputs and exits, blocks reused.
-    cached = LLM(str(tiny_varied_dir), exit_policy=policy, block_size=4)
+    cached = LLM(
+        str(tiny_varied_dir), kv_cache_memory=TINY_KV_BYTES, exit_policy=policy, block_size=4
+    )
     prompts = [PROMPTS[0] + " jumps over", PROMPTS[0] + " jumps over the lazy"]
     first = _gen(roomy, prompts, exit_params)
     # One at a time: blocks are registered once their K/V is written, after the step.
@@ -269,7 +291,12 @@ def test_recompute_pays_debt_before_it_is_read(tiny_varied_dir: Path) -> None:
     exit_params = ExitParams(threshold=0.05, exit_layers=[1, 2, 3])
     runs = []
     for _ in range(2):
-        llm = LLM(str(tiny_varied_dir), kv_fill="recompute", enable_prefix_caching=False)
+        llm = LLM(
+            str(tiny_varied_dir),
+            kv_cache_memory=TINY_KV_BYTES,
+            kv_fill="recompute",
+            enable_prefix_caching=False,
+        )
         engine = llm.engine
         seq = step_until_debt(engine, PROMPTS[0], exit_params)
         # Owed positions have K/V up to their depth only.
@@ -285,7 +312,9 @@ def test_recompute_pays_debt_before_it_is_read(tiny_varied_dir: Path) -> None:
 def test_recompute_with_batch_and_preemption(tiny_varied_dir: Path) -> None:
     exit_params = ExitParams(threshold=0.05, exit_layers=[1, 2, 3])
     per_row = {"kv_fill": "recompute", "exit_policy": "per_sequence"}
-    roomy = LLM(str(tiny_varied_dir), enable_prefix_caching=False, **per_row)
+    roomy = LLM(
+        str(tiny_varied_dir), kv_cache_memory=TINY_KV_BYTES, enable_prefix_caching=False, **per_row
+    )
     ref = _gen(roomy, PROMPTS, exit_params)
     per_token = 2 * L * 2 * 16 * 4
     tight = LLM(str(tiny_varied_dir), block_size=4, kv_cache_memory=per_token * 4 * 9, **per_row)

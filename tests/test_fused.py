@@ -17,7 +17,7 @@ import torch
 from eeserve import LLM
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.engine.measures import confidence
-from eeserve.kernels.fused import CheckedSpan, FusedDecoder, PassAttention, StackCheck
+from eeserve.kernels.fused import CheckedSpan, FusedCall, FusedDecoder, PassAttention, StackCheck
 from eeserve.kernels.native import NativeOps, load
 from eeserve.kernels.packing import NativeRMSNorm, PackedLinear, pack_for_cpu, use_native_ops
 from eeserve.kernels.quant import Int8Linear, quantize_model
@@ -107,14 +107,25 @@ def _prompt() -> AttnMeta:
 
 
 @pytest.mark.parametrize("kind", ["float32", "int8"])
-@pytest.mark.parametrize("pass_", [_decode_rows, _mixed, _prompt])
-def test_fused_layers_equal_the_module_path(ops: NativeOps, kind: str, pass_: object) -> None:
+@pytest.mark.parametrize(
+    ("pass_", "call"),
+    [
+        (_decode_rows, FusedCall.STACK),
+        (_decode_rows, FusedCall.LAYERS),
+        (_mixed, FusedCall.LAYERS),
+        (_prompt, FusedCall.LAYERS),
+    ],
+)
+def test_fused_layers_equal_the_module_path(
+    ops: NativeOps, kind: str, pass_: object, call: FusedCall
+) -> None:
     model = _model(ops, kind)
     fused = FusedDecoder.build(model, ops)
     assert fused is not None
     meta = pass_()  # type: ignore[operator]
     plan = meta.pass_attention()
     assert plan is not None
+    assert fused.stacks(plan) == (pass_ is _decode_rows)
     pos = torch.tensor([p for s in meta.spans for p in s.q_positions])
     cos, sin = (t[pos] for t in rope_tables(CFG, 16))
     h = torch.randn(len(pos), CFG.hidden_size)
@@ -123,8 +134,8 @@ def test_fused_layers_equal_the_module_path(ops: NativeOps, kind: str, pass_: ob
         ref = h
         for layer in model.layers:
             ref = layer(ref, Rotary(cos, sin), partial(ref_kv.attend, meta=meta))
-        got = fused.run(h, cos, sin, got_kv.k, got_kv.v, plan)
-        part = fused.run(h, cos, sin, _cache(ops).k, _cache(ops).v, plan, start=0, end=2)
+        got = fused.run(call, h, cos, sin, got_kv.k, got_kv.v, plan)
+        part = fused.run(call, h, cos, sin, _cache(ops).k, _cache(ops).v, plan, start=0, end=2)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-6 * ref.abs().max().item())
     torch.testing.assert_close(got_kv.k, ref_kv.k, rtol=0, atol=1e-6)
     torch.testing.assert_close(got_kv.v, ref_kv.v, rtol=0, atol=1e-6)
@@ -182,9 +193,10 @@ def _inputs(meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", ["float32", "int8"])
+@pytest.mark.parametrize("call", list(FusedCall))
 @pytest.mark.parametrize(("start", "end"), [(0, 3), (1, 3), (1, 2)])
 def test_a_layer_range_of_decode_rows_equals_the_module_path(
-    ops: NativeOps, kind: str, start: int, end: int
+    ops: NativeOps, kind: str, call: FusedCall, start: int, end: int
 ) -> None:
     model = _model(ops, kind)
     fused = FusedDecoder.build(model, ops)
@@ -198,7 +210,7 @@ def test_a_layer_range_of_decode_rows_equals_the_module_path(
         ref = h
         for layer in model.layers[start:end]:
             ref = layer(ref, Rotary(cos, sin), partial(ref_kv.attend, meta=meta))
-        got = fused.run(h, cos, sin, got_kv.k, got_kv.v, plan, start, end)
+        got = fused.run(call, h, cos, sin, got_kv.k, got_kv.v, plan, start, end)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-6 * ref.abs().max().item())
     torch.testing.assert_close(got_kv.k, ref_kv.k, rtol=0, atol=1e-6)
     torch.testing.assert_close(got_kv.v, ref_kv.v, rtol=0, atol=1e-6)
@@ -337,11 +349,12 @@ def test_checks_between_layers_score_as_the_check_apart(
     ref_kv, got_kv = _cache(ops, SLOTS), _cache(ops, SLOTS)
     with torch.inference_mode():
         got, conf, stopped = fused.run_checked(h, cos, sin, got_kv.k, got_kv.v, plan, 0, 3, span)
-        ref = fused.run(h, cos, sin, ref_kv.k, ref_kv.v, plan, 0, 3)
+        ref = fused.run(FusedCall.STACK, h, cos, sin, ref_kv.k, ref_kv.v, plan, 0, 3)
         assert stopped == -1
         assert torch.equal(got, ref) and torch.equal(got_kv.k, ref_kv.k)
         for c, (layer, (_, reference)) in enumerate(zip(span.layers, made)):
-            h_c = fused.run(h, cos, sin, _cache(ops, SLOTS).k, _cache(ops, SLOTS).v, plan, 0, layer)
+            kv_c = _cache(ops, SLOTS)
+            h_c = fused.run(FusedCall.STACK, h, cos, sin, kv_c.k, kv_c.v, plan, 0, layer)
             torch.testing.assert_close(conf[c], reference(h_c), atol=1e-5, rtol=1e-5)
 
 
@@ -363,7 +376,7 @@ def test_a_row_at_its_threshold_stops_the_pass_there(
         at[0, 1] = conf[0, 1]
         span = _span(checks, measure, at)
         got, got_conf, stopped = fused.run_checked(h, cos, sin, kv.k, kv.v, plan, 0, 3, span)
-        ref = fused.run(h, cos, sin, first_kv.k, first_kv.v, plan, 0, 1)
+        ref = fused.run(FusedCall.STACK, h, cos, sin, first_kv.k, first_kv.v, plan, 0, 1)
     assert stopped == 0
     assert torch.equal(got, ref) and torch.equal(kv.k, first_kv.k) and torch.equal(kv.v, first_kv.v)
     assert torch.equal(got_conf[0], conf[0]) and got_conf[1].isnan().all()

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from eeserve import ExitParams, SamplingParams
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.kernels import native
-from eeserve.kernels.fused import FusedDecoder
+from eeserve.kernels.fused import FusedCall, FusedDecoder
 from eeserve.kernels.packing import pack_for_cpu, use_native_ops
 from eeserve.kernels.quant import quantize_model
 from eeserve.models.config import ModelConfig, rope_tables
@@ -202,8 +202,17 @@ def _mixed_within_the_window() -> AttnMeta:
 
 
 @pytest.mark.parametrize("kind", ["float32", "int8"])
-@pytest.mark.parametrize("pass_", [_decode_past_the_window, _mixed_within_the_window])
-def test_fused_layers_equal_the_module_path(tiny: Path, kind: str, pass_: object) -> None:
+@pytest.mark.parametrize(
+    ("pass_", "call"),
+    [
+        (_decode_past_the_window, FusedCall.STACK),
+        (_decode_past_the_window, FusedCall.LAYERS),
+        (_mixed_within_the_window, FusedCall.LAYERS),
+    ],
+)
+def test_fused_layers_equal_the_module_path(
+    tiny: Path, kind: str, pass_: object, call: FusedCall
+) -> None:
     """``gemma3_layer`` (one kernel call a layer) and ``decode_stack`` (a pass of decode rows, every
     layer in one call) compute the modules' numbers and K/V, the local layers with their own
     rotary tables and windowed contexts."""
@@ -232,7 +241,7 @@ def test_fused_layers_equal_the_module_path(tiny: Path, kind: str, pass_: object
         ref = h
         for layer in model.layers:
             ref = layer(ref, Rotary(cos, sin), partial(ref_kv.attend, meta=meta))
-        got = fused.run(h, cos, sin, got_kv.k, got_kv.v, plan, local_attn=local)
+        got = fused.run(call, h, cos, sin, got_kv.k, got_kv.v, plan, local_attn=local)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-6 * ref.abs().max().item())
     torch.testing.assert_close(got_kv.k, ref_kv.k, rtol=0, atol=1e-6)
     torch.testing.assert_close(got_kv.v, ref_kv.v, rtol=0, atol=1e-6)

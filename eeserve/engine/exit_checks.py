@@ -6,7 +6,7 @@ exit logits [n, V] when the measure computed them (the full-vocabulary measures:
 token comes from them). The exit loop, ``eeserve bench checks`` and the teacher-forced scores all
 check through here, so that they time and score the same arithmetic.
 
-A shortlist check (``use_shortlist``) is the exit head restricted to K rows of the LM head, in
+A shortlist check (``Shortlist``) is the exit head restricted to K rows of the LM head, in
 as few calls as its head allows: for a tuned head with a ``linear`` adapter, ``h + A h + b`` is
 one projection by ``I + A``; the head norm's weight is multiplied into the K rows, so the norm is
 a bare RMS normalisation; then the rows' projection, softmax and top two. Same numbers as
@@ -55,13 +55,27 @@ class ShortlistHead:
         return self.rows(self.rms(x)).float()  # type: ignore[no-any-return]
 
 
+@dataclass(frozen=True, kw_only=True)
+class Shortlist:
+    """Shortlist checks over the LM-head rows ``weight`` [K, D] at every exit layer. ``linear``
+    and ``norm`` build the runner's projections and norms; ``fold_adapter``: a tuned head's
+    ``linear`` adapter may become one projection (float weights; not where it is quantised)."""
+
+    weight: torch.Tensor
+    linear: LinearFn
+    norm: NormFn
+    fold_adapter: bool
+
+
 class ExitChecks:
     def __init__(
         self,
+        *,
         model: LlamaForCausalLM,
         lm_head: nn.Module,
         heads: ExitHeads | None,
         shared_head: bool,
+        shortlist: Shortlist | None = None,
     ) -> None:
         self.model = model
         self.lm_head = lm_head
@@ -82,6 +96,8 @@ class ExitChecks:
                     self._probes[layer] = (clf.weight.detach()[0], clf.bias.detach())
         # (measure, exit layer) -> its check for decode_stack_checked, or None: built on first use.
         self._stack_checks: dict[tuple[str, int], StackCheck | None] = {}
+        if shortlist is not None:
+            self._use_shortlist(shortlist)
 
     def head_normed(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """LM-head input [n, D] of exit ``layer`` (1-based) from the head's input [n, D]: the
@@ -140,15 +156,9 @@ class ExitChecks:
         head = self._shortlist.get(layer, self._shared_shortlist)
         return None if head is None else StackCheck.shortlist(head.pre, head.rms, head.rows)
 
-    def use_shortlist(
-        self, weight: torch.Tensor, linear: LinearFn, norm: NormFn, fold_adapter: bool
-    ) -> None:
-        """Shortlist checks over the LM-head rows ``weight`` [K, D] at every exit layer.
-        ``linear`` and ``norm`` build the runner's projections and norms; ``fold_adapter``: a
-        tuned head's ``linear`` adapter may become one projection (float weights; not where it is
-        quantised)."""
+    def _use_shortlist(self, shortlist: Shortlist) -> None:
+        weight, linear, norm = shortlist.weight, shortlist.linear, shortlist.norm
         self.shortlist_rows = weight.shape[0]
-        self._stack_checks.clear()
 
         def unit_norm(eps: float) -> nn.Module:
             rms = RMSNorm(weight.shape[1], eps).to(weight.device, weight.dtype)
@@ -164,7 +174,7 @@ class ExitChecks:
             pre: nn.Module | None = head.adapter
             if head.adapter.kind == "none":
                 pre = None
-            elif head.adapter.kind == "linear" and fold_adapter:
+            elif head.adapter.kind == "linear" and shortlist.fold_adapter:
                 pre = _identity_folded(head.adapter.layers[0], linear)
             scale, eps = _norm_parts(head.norm)
             rows = linear(_scaled(weight, scale), None)

@@ -18,7 +18,7 @@ import torch
 
 from eeserve.engine.attention import AttnMeta, PagedKVCache
 from eeserve.engine.kernel_route import Kernel, Route, route_pass
-from eeserve.kernels.fused import CheckedSpan, FusedDecoder
+from eeserve.kernels.fused import CheckedSpan, FusedCall, FusedDecoder
 from eeserve.models.llama import LlamaForCausalLM, Rotary
 
 
@@ -43,10 +43,9 @@ class LayerStack:
                 h = layer(h, rot, attn)
             return h
         assert self.fused is not None and route.attention is not None
-        kv = self.kv
-        return self.fused.run(
-            h, rot.cos, rot.sin, kv.k, kv.v, route.attention, start, end, route.local_attention
-        )
+        call = FusedCall.STACK if route.kernel is Kernel.DECODE_STACK else FusedCall.LAYERS
+        kv, attention, local = self.kv, route.attention, route.local_attention
+        return self.fused.run(call, h, rot.cos, rot.sin, kv.k, kv.v, attention, start, end, local)
 
     def run_checked(
         self, h: torch.Tensor, rot: Rotary, route: Route, start: int, end: int, span: CheckedSpan

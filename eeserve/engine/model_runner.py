@@ -24,7 +24,7 @@ from eeserve.config import ExitPolicy, KVFill, Quantization
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.engine.draft_model import Int8Drafter
 from eeserve.engine.draft_vocab import SubsetHead
-from eeserve.engine.exit_checks import ExitChecks, shortlist_rows
+from eeserve.engine.exit_checks import ExitChecks, Shortlist, shortlist_rows
 from eeserve.engine.exit_loop import ExitLoop
 from eeserve.engine.exit_state import ExitBatch, ExitResult, SeqIdx, exit_batch
 from eeserve.engine.kv_fill import KVFiller
@@ -140,15 +140,13 @@ class ModelRunner:
     ) -> ExitLoop:
         """The exit loop, with its checks (shortlist included), cost model and draft head."""
         shared = exit_config is None or exit_config.head == "shared"
-        checks = ExitChecks(self.model, self.lm_head, heads, shared)
-        if exit_config is not None and exit_config.shortlist:
-            rows = shortlist_rows(exit_config, self.config, heads)
-            ids = torch.tensor(exit_config.shortlist[:rows], dtype=torch.long, device=self.device)
-            quantized = self.opts.quantization is not None
-            fmt = WeightFormat.INT8 if quantized else WeightFormat.FLOAT
-            linear = partial(self.kernels.linear, fmt=fmt)
-            weight = self.model.lm_head.weight[ids].detach()
-            checks.use_shortlist(weight, linear, self.kernels.norm, fold_adapter=not quantized)
+        checks = ExitChecks(
+            model=self.model,
+            lm_head=self.lm_head,
+            heads=heads,
+            shared_head=shared,
+            shortlist=self._shortlist(exit_config, heads),
+        )
         cost = None
         if self.opts.exit_policy is ExitPolicy.AUTO:
             d = self.config.hidden_size
@@ -169,6 +167,24 @@ class ModelRunner:
             filler=filler,
             cost=cost,
             draft_head=self._draft_head(vocab),
+        )
+
+    def _shortlist(
+        self, exit_config: ExitConfig | None, heads: ExitHeads | None
+    ) -> Shortlist | None:
+        """The shortlist checks' LM-head rows, in the runner's weight format (None: no
+        shortlist in the exit config)."""
+        if exit_config is None or not exit_config.shortlist:
+            return None
+        rows = shortlist_rows(exit_config, self.config, heads)
+        ids = torch.tensor(exit_config.shortlist[:rows], dtype=torch.long, device=self.device)
+        quantized = self.opts.quantization is not None
+        fmt = WeightFormat.INT8 if quantized else WeightFormat.FLOAT
+        return Shortlist(
+            weight=self.model.lm_head.weight[ids].detach(),
+            linear=partial(self.kernels.linear, fmt=fmt),
+            norm=self.kernels.norm,
+            fold_adapter=not quantized,
         )
 
     def _draft_head(self, ids: list[int] | None) -> torch.nn.Module | None:

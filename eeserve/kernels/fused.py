@@ -8,8 +8,9 @@ local rotary tables and ``local_attn``, the rows' windowed contexts). ``run`` co
 ``[start, end)`` for the rows of a pass (decode rows attended one by one, prompts and prompt
 chunks as spans of consecutive rows: ``PassAttention``), writing their K/V as
 ``LlamaDecoderLayer.forward`` with the engine's attention would, with the same kernels in the
-same order: the same numbers, without the ~15 Python calls per layer. A pass whose rows all
-attend one query each (decode steps) runs the whole range in one call (``decode_stack``,
+same order: the same numbers, without the ~15 Python calls per layer. The caller says how
+(``FusedCall``): one kernel call per layer, or, for a pass whose rows all attend one query each
+(decode steps, ``stacks``), the whole range in one call (``decode_stack``,
 ``csrc/decode_stack.cpp``, Llama and Gemma 3 layers); ``run_checked`` runs such a range with exit
 checks between its layers (``decode_stack_checked``), stopping after the first check where a
 row may leave. Tensors come in plain (the pools, slot tables):
@@ -25,6 +26,7 @@ kernels export (``stack_layout()``, ``csrc/stack_layout.h``), and ``build`` rais
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from functools import cached_property
 from typing import Any
 
@@ -49,6 +51,13 @@ from eeserve.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer
 from eeserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 Tables = tuple[torch.Tensor, torch.Tensor]  # a layer's rotary (cos, sin), each [R, head_dim]
+
+
+class FusedCall(StrEnum):
+    """How ``FusedDecoder.run`` computes a range of layers."""
+
+    STACK = "stack"  # the whole range in one decode_stack call (decode rows only)
+    LAYERS = "layers"  # one decoder_layer / gemma3_layer call per layer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,6 +261,7 @@ class FusedDecoder:
 
     def run(
         self,
+        call: FusedCall,
         h: torch.Tensor,  # [R, D] float32
         cos: torch.Tensor,  # [R, head_dim], or [R, 2 * head_dim]: global then local tables
         sin: torch.Tensor,
@@ -262,10 +272,13 @@ class FusedDecoder:
         end: int | None = None,
         local_attn: PassAttention | None = None,
     ) -> torch.Tensor:
-        """``local_attn``: how the rows attend in the local layers (within the window; None:
-        as ``attn``)."""
+        """Layers ``[start, end)`` in one ``decode_stack`` call (``call`` STACK: ``stacks(attn,
+        local_attn)`` must hold) or one kernel call per layer (LAYERS). ``local_attn``: how the
+        rows attend in the local layers (within the window; None: as ``attn``). The engine's
+        ``kernel_route`` chooses the call."""
         stop = len(self.layers) if end is None else end
-        if self.stacks(attn, local_attn):
+        if call is FusedCall.STACK:
+            assert self.stacks(attn, local_attn), "decode_stack takes decode rows only"
             args = self._stack_args(h, cos, sin, k_pool, v_pool, attn, local_attn, start, stop)
             return self._decode_stack(**args)  # type: ignore[no-any-return]
         pools = self._pool_views(k_pool, v_pool)
