@@ -9,6 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+
+class Measure(StrEnum):
+    """How sure an exit is of its token (docs/design.md, "Vocabulary")."""
+
+    SOFTMAX_MARGIN = "softmax_margin"  # top-1 minus top-2 probability over the vocabulary
+    MAX_PROB = "max_prob"  # top-1 probability over the vocabulary
+    HIDDEN_COSINE = "hidden_cosine"  # cosine of the exit layer's input and output
+    CLASSIFIER = "classifier"  # a trained probe's sigmoid (needs the sidecar's probes)
+    SHORTLIST_MARGIN = "shortlist_margin"  # softmax_margin over the sidecar's shortlist
+    SHORTLIST_MAX_PROB = "shortlist_max_prob"  # max_prob over the sidecar's shortlist
+
+
 # Measures every exit sidecar supports (``classifier`` needs its probes).
 BASE_MEASURES = ("softmax_margin", "max_prob", "hidden_cosine", "classifier")
 # The two softmax measures over the whole vocabulary (2·V·D per check)...
@@ -16,7 +28,7 @@ LOGIT_MEASURES = ("softmax_margin", "max_prob")
 # ...and over the sidecar's frequency-ranked vocabulary shortlist (2·K·D, K << V): cheap, but the
 # softmax over K rows overstates a token's probability, so their thresholds are their own.
 SHORTLIST_MEASURES = ("shortlist_margin", "shortlist_max_prob")
-MEASURES = (*BASE_MEASURES, *SHORTLIST_MEASURES)
+MEASURES = tuple(m.value for m in Measure)
 
 
 class ExitMode(StrEnum):
@@ -68,8 +80,12 @@ class ExitParams:
             raise ValueError(
                 f"ExitParams.num_draft_tokens must be an integer in [1, 64], got {n!r}"
             )
-        if self.measure is not None and self.measure not in MEASURES:
-            raise ValueError(f"ExitParams.measure must be one of {MEASURES}, got {self.measure!r}")
+        if self.measure is not None:
+            if self.measure not in MEASURES:
+                raise ValueError(
+                    f"ExitParams.measure must be one of {MEASURES}, got {self.measure!r}"
+                )
+            self.measure = Measure(self.measure)
         ths = self.threshold if isinstance(self.threshold, list) else [self.threshold]
         for t in ths:
             if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t != t):

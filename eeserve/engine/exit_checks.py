@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from eeserve.engine.measures import confidence
-from eeserve.exit_params import LOGIT_MEASURES, SHORTLIST_MEASURES
+from eeserve.exit_params import LOGIT_MEASURES, SHORTLIST_MEASURES, Measure
 from eeserve.kernels.fused import STACK_MEASURES, StackCheck
 from eeserve.models.config import ModelConfig
 from eeserve.models.cost import CostModel
@@ -118,7 +118,7 @@ class ExitChecks:
         if measure in SHORTLIST_MEASURES:
             head = self._shortlist.get(layer, self._shared_shortlist)
             if head is None:
-                raise ValueError(f"measure {measure!r} needs the exit sidecar's shortlist")
+                raise ValueError(f"measure {str(measure)!r} needs the exit sidecar's shortlist")
             return head.logits(h)
         return None
 
@@ -130,7 +130,7 @@ class ExitChecks:
         measures (None for the others)."""
         logits = self.measure_logits(measure, layer, h)
         probe = None
-        if measure == "classifier":
+        if measure == Measure.CLASSIFIER:
             if self.heads is None:
                 raise ValueError("measure 'classifier' needs classifier probes in the exit sidecar")
             vec = self._probes.get(layer)
@@ -149,7 +149,7 @@ class ExitChecks:
     def _build_stack_check(self, measure: str, layer: int) -> StackCheck | None:
         if measure not in STACK_MEASURES:
             return None
-        if measure == "classifier":
+        if measure == Measure.CLASSIFIER:
             vec = self._probes.get(layer)
             ok = vec is not None and vec[0].dtype == torch.float32 and vec[0].device.type == "cpu"
             return StackCheck.classifier(vec[0], vec[1]) if ok and vec is not None else None

@@ -43,6 +43,7 @@ from eeserve.engine.layer_cost import LayerCost
 from eeserve.engine.layer_stack import LayerStack
 from eeserve.engine.plan import ExitPlan
 from eeserve.engine.policy import decide
+from eeserve.exit_params import Measure
 from eeserve.kernels.fused import CheckedSpan
 from eeserve.kernels.screened_head import head_logits
 from eeserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, Rotary
@@ -146,7 +147,7 @@ class ExitLoop:
         checks = (forced if self.layer_heads else plan_layers | forced) - set(route.kernel_checks)
         ends = {num_layers, *checks, *(j - 1 for j in split)}
         ends |= {p.join_layer - 1 for p in b.passengers.values()}
-        if any(p is not None and p.measure == "hidden_cosine" for p in b.plans):
+        if any(p is not None and p.measure == Measure.HIDDEN_COSINE for p in b.plans):
             ends |= {c - 1 for c in checks}
         return LayerEvents(
             check_layers=frozenset(checks),
@@ -341,7 +342,7 @@ class ExitLoop:
         for measure in {p.measure for p in plans}:
             rows = [k for k, p in enumerate(plans) if p.measure == measure]
             hm = take_rows(h, rows)
-            hp = take_rows(h_prev, rows) if measure == "hidden_cosine" else h_prev
+            hp = take_rows(h_prev, rows) if measure == Measure.HIDDEN_COSINE else h_prev
             c, lg = self.checks.confidence(measure, j, hm, hp)
             for k, v in zip(rows, c.tolist()):
                 conf[k] = float(v)

@@ -93,7 +93,7 @@ def route_checks(
         return CheckRoute(why_not="the rows' plans use several measures")
     (measure,) = measures
     if measure not in STACK_MEASURES:
-        return CheckRoute(why_not=f"decode_stack_checked does not compute {measure!r}")
+        return CheckRoute(why_not=f"decode_stack_checked does not compute {str(measure)!r}")
     checks: dict[int, StackCheck] = {}
     for layer in sorted(c for c in layers if c < num_layers):
         check = exit_checks.stack_check(measure, layer)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eeserve.exit_params import LOGIT_MEASURES, SHORTLIST_MEASURES
+from eeserve.exit_params import LOGIT_MEASURES, SHORTLIST_MEASURES, Measure
 
 
 def confidence(
@@ -35,10 +35,11 @@ def confidence(
         assert logits is not None
         probs = logits.float().softmax(dim=-1)
         top = probs.topk(2, dim=-1).values
-        return top[:, 0] - top[:, 1] if measure.endswith("margin") else top[:, 0]
-    if measure == "hidden_cosine":
+        margin = measure in (Measure.SOFTMAX_MARGIN, Measure.SHORTLIST_MARGIN)
+        return top[:, 0] - top[:, 1] if margin else top[:, 0]
+    if measure == Measure.HIDDEN_COSINE:
         return F.cosine_similarity(h.float(), h_prev.float(), dim=-1)
-    if measure == "classifier":
+    if measure == Measure.CLASSIFIER:
         assert probe is not None
         return torch.sigmoid(probe.float())
-    raise ValueError(f"unknown measure {measure!r}")
+    raise ValueError(f"unknown measure {str(measure)!r}")

@@ -17,6 +17,7 @@ from eeserve.exit_params import (
     DraftSource,
     ExitMode,
     ExitParams,
+    Measure,
 )
 from eeserve.models.exit_config import ExitConfig
 
@@ -25,7 +26,7 @@ from eeserve.models.exit_config import ExitConfig
 class ExitPlan:
     """A request's resolved exit rule: exit at layer l when confidence >= thresholds[l]."""
 
-    measure: str
+    measure: Measure
     thresholds: dict[int, float]  # 1-based exit layer -> threshold
     mode: ExitMode = ExitMode.EXIT  # speculative: an exit drafts, the layers above verify
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
@@ -58,8 +59,10 @@ def resolve_exit_plan(
     mode = ExitMode(params.mode or (ExitMode.EXIT if stated else cfg.default_mode))
     num_drafts = params.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS
     if mode is ExitMode.SPECULATIVE and speculative_draft is DraftSource.INT8:
-        return ExitPlan(measure="max_prob", thresholds={}, mode=mode, num_draft_tokens=num_drafts)
-    measure = params.measure or cfg.default_measure
+        return ExitPlan(
+            measure=Measure.MAX_PROB, thresholds={}, mode=mode, num_draft_tokens=num_drafts
+        )
+    measure = Measure(params.measure or cfg.default_measure)
     layers = _exit_layers(params, cfg, measure)
     threshold = params.threshold
     eager = False
@@ -74,7 +77,8 @@ def resolve_exit_plan(
         threshold = cfg.thresholds.get(measure)
     if threshold is None:
         raise ValueError(
-            f"no exit threshold given and the model's exit config has no default for {measure!r}"
+            "no exit threshold given and the model's exit config has no default for "
+            f"{str(measure)!r}"
         )
     if isinstance(threshold, list):
         if len(threshold) != len(layers):
@@ -95,11 +99,11 @@ def resolve_exit_plan(
 
 def _exit_layers(params: ExitParams, cfg: ExitConfig, measure: str) -> list[int]:
     """The request's exit layers, once its measure and layers are known to be usable."""
-    if measure == "classifier" and not cfg.classifier:
+    if measure == Measure.CLASSIFIER and not cfg.classifier:
         raise ValueError("measure 'classifier' needs trained classifier probes in the exit sidecar")
     if measure in SHORTLIST_MEASURES and not cfg.shortlist:
         raise ValueError(
-            f"measure {measure!r} needs a vocabulary shortlist in the exit sidecar "
+            f"measure {str(measure)!r} needs a vocabulary shortlist in the exit sidecar "
             "(eeserve shortlist MODEL --out DIR)"
         )
     layers = sorted(set(params.exit_layers or cfg.exit_layers))
@@ -128,7 +132,7 @@ def calibrated_threshold(
     if not fits:
         known = sorted({(c.get("measure"), c.get("delta")) for c in cfg.calibration}, key=str)
         raise ValueError(
-            f"no calibration for tolerance {tolerance} with measure {measure!r}"
+            f"no calibration for tolerance {tolerance} with measure {str(measure)!r}"
             f"{f' under policy {str(policy)!r}' if policy else ''}; "
             f"calibrated (measure, delta): {known or 'none'} (run `eeserve calibrate`)"
         )

@@ -95,14 +95,14 @@ def token_exits(
     layer = torch.full((n,), scores.num_layers, dtype=torch.long)
     logp, arg = scores.full_logprob.clone(), scores.full_argmax.clone()
     if plan is not None and plan.mode != "exit":
-        raise ValueError(f"a {plan.mode!r} plan's output is full depth's: nothing exits")
+        raise ValueError(f"a {str(plan.mode)!r} plan's output is full depth's: nothing exits")
     if plan is None or not plan.thresholds:
         return layer, logp, arg
     conf = scores.confidence.get(plan.measure)
     if conf is None or any(lay not in scores.layers for lay in plan.layers):
         raise ValueError(
             f"scores hold measures {sorted(scores.confidence)} at layers {scores.layers}; "
-            f"the plan needs {plan.measure!r} at {plan.layers}"
+            f"the plan needs {str(plan.measure)!r} at {plan.layers}"
         )
     open_ = torch.ones(n, dtype=torch.bool)
     for lay in plan.layers:
