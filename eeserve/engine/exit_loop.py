@@ -55,7 +55,7 @@ class LayerEvents:
 
     check_layers: frozenset[int]  # a check or a replayed exit after the layer, outside kernels
     split_layers: frozenset[int]  # a layer-head check between the layer's halves
-    kernel_checks: CheckRoute  # checks the layer kernel computes between layers
+    check_route: CheckRoute  # the checks the layer kernel computes between layers
     run_ends: frozenset[int]  # layers after which a run of layers stops
 
     def run_end(self, j: int) -> int:
@@ -64,7 +64,7 @@ class LayerEvents:
 
     def checked_inside(self, j: int, end: int) -> list[int]:
         """The kernel's check layers within layers j..end."""
-        return [c for c in self.kernel_checks.kernel_checks if j <= c <= end]
+        return [c for c in self.check_route.kernel_checks if j <= c <= end]
 
 
 class ExitLoop:
@@ -152,7 +152,7 @@ class ExitLoop:
         return LayerEvents(
             check_layers=frozenset(checks),
             split_layers=frozenset(split),
-            kernel_checks=route,
+            check_route=route,
             run_ends=frozenset(e for e in ends if e >= 1),
         )
 
@@ -170,7 +170,7 @@ class ExitLoop:
         """Layers j..end with the kernel's checks after ``inner`` in one call, which stops at
         the first check where a running row is confident or marked; the policy decides there
         (``_stop``). Returns the last layer run and whether rows left."""
-        route = ev.kernel_checks
+        route = ev.check_route
         assert route.measure is not None
         span = CheckedSpan(
             layers=inner,
