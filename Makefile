@@ -42,11 +42,13 @@ browser:
 		fi; \
 	fi
 
+# The whole suite; it ends with its ten slowest tests (docs/engine.md#tests lists why each takes
+# its time).
 test: fetch lint browser
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=10 tests
 
-# Everything but the tests marked slow (Ray and Ray Serve, a live server under load or
-# schemathesis, the browser, the real model, training runs): well under two minutes.
+# Everything but the tests marked slow (the real models, Ray and Ray Serve, live servers of their
+# own, the browser, tune-exits end to end): about a minute on 2 cores.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 

@@ -330,9 +330,11 @@ def test_request_timeout_field_aborts_waiting_and_streaming(server: Server) -> N
 
 
 @pytest.mark.parametrize("value", ["5", 0, -1.0, 10**6, True])
-def test_request_timeout_field_is_validated(server: Server, value: Any) -> None:
-    body = {"model": server.model, "prompt": "x", "max_tokens": 1, "request_timeout": value}
-    r = httpx.post(f"{server.base}/v1/completions", json=body)
+def test_request_timeout_field_is_validated(tiny_model_dir: Path, value: Any) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=KV_BYTES))
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 1, "request_timeout": value}
+    with TestClient(create_app(engine, model_names=["tiny"])) as client:
+        r = client.post("/v1/completions", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "request_timeout"
 

@@ -33,7 +33,9 @@ from eeserve.tuning.ltt import (
     hoeffding_pvalue,
     learn_then_test,
 )
-from tests.tiny_model import make_llm
+from tests.tiny_model import TINY_KV_BYTES, make_llm
+
+KV = str(TINY_KV_BYTES)  # the tiny model's KV pool, for the commands' --kv-cache-memory
 
 # -- p-values ----------------------------------------------------------------------------------
 
@@ -241,7 +243,7 @@ def calibrated(tiny_varied_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     prompts = _prompt_file(tmp / "prompts.txt", 40)
     argv = ["calibrate", str(model), "--prompts", str(prompts), "--n", "40", "--max-tokens", "6"]
     argv += ["--delta", str(DELTA), "--epsilon", "0.2", "--json", str(tmp / "r.json")]
-    argv += ["--candidates", "0.99", "0.45", "0.3", "0.2", "0.1"]
+    argv += ["--candidates", "0.99", "0.45", "0.3", "0.2", "0.1", "--kv-cache-memory", KV]
     assert cli_main(argv) == 0
     return model
 
@@ -324,6 +326,7 @@ def test_calibrate_into_out_config_leaves_the_model_alone(
     argv = ["calibrate", str(tiny_varied_dir), "--prompts", str(prompts), "--n", "12"]
     argv += ["--max-tokens", "4", "--delta", "0.3", "--epsilon", "0.2", "--loss", "tokens"]
     argv += ["--candidates", "0.99", "0.5", "--out-config", str(out), "--policy", "batch_all"]
+    argv += ["--kv-cache-memory", KV]
     assert cli_main(argv) == 0
     assert not (tiny_varied_dir / "exit_config.json").exists()
     (entry,) = json.loads((out / "exit_config.json").read_text())["calibration"]
@@ -338,5 +341,6 @@ def test_calibrate_into_out_config_leaves_the_model_alone(
     # Nothing passes: exit status 1 and nothing written.
     argv = ["calibrate", str(tiny_varied_dir), "--prompts", str(prompts), "--n", "3"]
     argv += ["--max-tokens", "4", "--candidates", "0.99", "--out-config", str(tmp_path / "none")]
+    argv += ["--kv-cache-memory", KV]
     assert cli_main(argv) == 1
     assert not (tmp_path / "none").exists()

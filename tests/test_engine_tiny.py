@@ -24,7 +24,8 @@ from tests.tiny_model import (
     assert_same_completion,
     build_tiny_model,
     hf_greedy,
-    hf_logprobs,
+    hf_greedy_checked,
+    hf_next_logprobs,
     kv_block_bytes,
     load_hf,
     logprob_error,
@@ -89,7 +90,11 @@ def variant(request: pytest.FixtureRequest) -> Variant:
         random_prompt(1, 11, v),
         random_prompt(37, 12, v),
     ]
-    refs = [hf_greedy(hf, llm.engine.tokenize(p), N_NEW) for p in prompts]
+    # HF checks the engine's tokens as a draft (hf_greedy_checked): HF's greedy continuation
+    # whatever the engine's, in one forward pass a prompt.
+    drafts = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+    ids = [llm.engine.tokenize(p) for p in prompts]
+    refs = [hf_greedy_checked(hf, i, d, N_NEW) for i, d in zip(ids, drafts)]
     return Variant(request.param, llm, hf, prompts, refs)
 
 
@@ -102,10 +107,10 @@ def check_against_hf(v: Variant, outs: list[RequestOutput]) -> None:
         assert out.finished and c.finish_reason == "length"
         assert c.token_ids == ref, f"{v.name}: greedy tokens differ from HF for {prompt!r}"
         assert c.text == v.llm.tokenizer.decode(ref, skip_special_tokens=True)
-        lp_ref = hf_logprobs(v.hf, ids + c.token_ids)
+        lp_ref = hf_next_logprobs(v.hf, ids, c.token_ids)
         assert all(len(entry) == 5 for entry in c.logprobs or [])
         assert all(max(e, key=e.__getitem__) == t for e, t in zip(c.logprobs or [], ref))
-        err = logprob_error(ids, c.token_ids, c.logprobs, lp_ref)
+        err = logprob_error(c.token_ids, c.logprobs, lp_ref)
         assert err < TOL, f"{v.name}: logprobs differ from HF by {err}"
 
 

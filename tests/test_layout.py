@@ -8,6 +8,7 @@ of the same layer.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "eeserve"
@@ -77,6 +78,7 @@ def _imports(root: Path, path: Path) -> tuple[set[str], list[str]]:
     return top, hidden
 
 
+@functools.cache  # parsed once for the three checks of the package
 def _graph(root: Path = PKG) -> tuple[dict[str, set[str]], list[str]]:
     modules = {_module_name(root, p): p for p in root.rglob("*.py")}
     graph: dict[str, set[str]] = {}

@@ -29,6 +29,7 @@ from eeserve.bench.llamacpp_native import (
 from eeserve.bench.peer_summary import round_ratios, spread, summarise
 from eeserve.bench.roofline import engine_bytes_per_token, gguf_bytes_per_token
 from eeserve.kernels.native import load as load_native
+from tests.tiny_model import TINY_KV_BYTES
 
 
 def test_gguf_export_holds_every_weight_in_llamacpp_layout(
@@ -275,7 +276,7 @@ def test_llamacpp_on_the_exported_gguf_decodes_like_the_engine(
     tiny_varied_dir: Path, tmp_path: Path
 ) -> None:
     gguf_path = write_gguf_f32(tiny_varied_dir, tmp_path / "m.gguf")
-    llm = LLM(str(tiny_varied_dir), enable_prefix_caching=False)
+    llm = LLM(str(tiny_varied_dir), kv_cache_memory=TINY_KV_BYTES, enable_prefix_caching=False)
     prompts = [llm.tokenizer(p).input_ids for p in ["The quick brown fox", "def add(a, b):"]]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -29,7 +29,7 @@ from eeserve.kernels.quant import (
     round_activations,
 )
 from eeserve.models.llama import Rotary
-from tests.tiny_model import hf_greedy, hf_logprobs, load_hf
+from tests.tiny_model import TINY_KV_BYTES, hf_greedy, hf_logprobs, load_hf
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -122,7 +122,12 @@ def _hf_dequantized(folder: Path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def int8_llm(tiny_varied_dir: Path) -> LLM:
-    return LLM(str(tiny_varied_dir), quantization="int8", enable_prefix_caching=False)
+    return LLM(
+        str(tiny_varied_dir),
+        kv_cache_memory=TINY_KV_BYTES,
+        quantization="int8",
+        enable_prefix_caching=False,
+    )
 
 
 def test_int8_engine_equals_hf_on_dequantized_weights(tiny_varied_dir: Path, int8_llm: LLM) -> None:

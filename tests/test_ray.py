@@ -23,9 +23,6 @@ from eeserve.server.replicas import APP_NAME, ReplicaOptions, launch_replicas, s
 from tests.batch_files import read_output, request_line, run_cli, stable, write_batch
 from tests.tiny_model import make_llm
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
-
 # Ray and Ray Serve start processes and a cluster: the slow tests (make test runs them).
 pytestmark = pytest.mark.slow
 
@@ -41,8 +38,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _ray_installed() -> None:
+    """Ray is imported when these tests run, not when the file is collected: importing Ray Serve
+    takes seconds that a run deselecting them (``make test-fast``) would spend for nothing."""
+    pytest.importorskip("ray")
+    pytest.importorskip("ray.serve")
+
+
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
+    import ray
+    from ray import serve
+
     ray.init(num_cpus=2, include_dashboard=False, namespace="eeserve", log_to_driver=False)
     yield
     serve.shutdown()
@@ -218,6 +226,8 @@ def test_admission_limits_apply_through_replicas(replicas: str, tiny_model_dir: 
     """Replicas of one running slot and one waiting request each: a burst beyond that is
     answered 429 with Retry-After and the OpenAI body by the replicas themselves (Ray's own queue
     limit lies above theirs), counted in /metrics; a request's time limit ends it with 504."""
+    from ray import serve
+
     serve.delete(APP_NAME)  # the module's deployment holds both CPUs
     opts = ReplicaOptions(
         engine={"model": str(tiny_model_dir), "kv_cache_memory": KV_BYTES, "max_num_seqs": 1},

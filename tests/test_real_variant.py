@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from eeserve import ExitParams, SamplingParams
+from eeserve import LLM, ExitParams, SamplingParams
 from eeserve.models.exit_heads import CONFIG_NAME
 from eeserve.models.loader import packaged_sidecar, resolve_model
-from tests.tiny_model import add_base_delta, hf_greedy, load_hf, make_llm
+from tests.tiny_model import add_base_delta, hf_greedy_checked, hf_next_tokens, load_hf, make_llm
 
 pytestmark = pytest.mark.slow
 
@@ -30,14 +30,23 @@ def test_variant_full_depth_equals_hf_with_the_delta_merged() -> None:
     add_base_delta(variant, sidecar, scale)
     ids = [llm.engine.tokenize(p) for p in PROMPTS]
     greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=N_NEW)
-    outs = llm.generate(ids, greedy, use_tqdm=False)
-    want = [hf_greedy(variant, i, N_NEW) for i in ids]
-    assert [list(o.outputs[0].token_ids) for o in outs] == want
-    assert want != [hf_greedy(original, i, N_NEW) for i in ids], "the delta changes nothing"
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(ids, greedy, use_tqdm=False)]
+    # HF's greedy continuations, checked from the engine's tokens as drafts (hf_greedy_checked).
+    want = [hf_greedy_checked(variant, i, d, N_NEW) for i, d in zip(ids, got)]
+    assert got == want
+    # The original model departs from them somewhere (its greedy choice after a prefix of them).
+    plain = [hf_next_tokens(original, i, w[:-1]) for i, w in zip(ids, want)]
+    assert plain != want, "the delta changes nothing"
 
 
-def test_variant_generates_with_early_exit_at_its_default() -> None:
-    llm = make_llm("smollm2-ee", kv_cache_memory=64 * 2**20)
+@pytest.fixture(scope="module")
+def shipped() -> LLM:
+    """``smollm2-ee`` as shipped (its exit config's defaults), loaded once for the tests below."""
+    return make_llm("smollm2-ee", kv_cache_memory=64 * 2**20)
+
+
+def test_variant_generates_with_early_exit_at_its_default(shipped: LLM) -> None:
+    llm = shipped
     cfg = llm.engine.exit_config
     assert cfg is not None and cfg.enabled_by_default and cfg.calibration
     out = llm.generate(
@@ -52,10 +61,10 @@ def test_variant_generates_with_early_exit_at_its_default() -> None:
     assert stats.mean_exit_layer == pytest.approx(sum(layers) / len(layers))
 
 
-def test_variant_exits_early_at_a_low_threshold() -> None:
+def test_variant_exits_early_at_a_low_threshold(shipped: LLM) -> None:
     """At a loose threshold the variant's probes let tokens leave before full depth, and each
     leaves at one of its exit layers: the exits are live, not only allowed."""
-    llm = make_llm("smollm2-ee", kv_cache_memory=64 * 2**20)
+    llm = shipped
     cfg = llm.engine.exit_config
     assert cfg is not None
     out = llm.generate(

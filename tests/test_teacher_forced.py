@@ -27,7 +27,7 @@ from eeserve.tuning.teacher_forced import (
     passage_texts,
     token_exits,
 )
-from tests.tiny_model import make_llm, random_prompt, with_random_tuned_heads
+from tests.tiny_model import TINY_KV_BYTES, make_llm, random_prompt, with_random_tuned_heads
 
 LAYERS = [1, 2, 3]
 MEASURES = ["classifier", "softmax_margin", "max_prob", "hidden_cosine", "shortlist_margin"]
@@ -155,7 +155,7 @@ def test_calibrate_perplexity_picks_the_loosest_within_the_bound(
     argv += ["--n", "12", "--max-tokens", "8", "--loss", "perplexity", "--measure", "max_prob"]
     argv += ["--max-ppl-increase", "0.2", "--candidates", "1.01", "0.9", "0.5", "0.3", "0.1", "0"]
     argv += ["--ppl-texts", texts, "--out-config", str(out), "--json", str(report)]
-    argv += ["--full-table", "--check-n", "3"]
+    argv += ["--full-table", "--check-n", "3", "--kv-cache-memory", str(TINY_KV_BYTES)]
     assert cli_main(argv) == 0
     r = json.loads(report.read_text())
     rows = r["rows"]

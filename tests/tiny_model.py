@@ -154,6 +154,31 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[in
     return [int(t) for t in out[0, len(prompt_ids) :]]
 
 
+def hf_next_tokens(model: Any, prompt_ids: list[int], prefix: list[int]) -> list[int]:
+    """HF's greedy choice after ``prompt_ids + prefix[:j]`` for every j up to ``len(prefix)``, in
+    one forward pass: ``prefix`` continues the prompt greedily exactly where it equals them."""
+    with torch.no_grad():
+        out = model(torch.tensor([prompt_ids + prefix]), logits_to_keep=len(prefix) + 1)
+    return [int(t) for t in out.logits[0].argmax(-1)]
+
+
+def hf_greedy_checked(
+    model: Any, prompt_ids: list[int], draft: list[int], max_new_tokens: int
+) -> list[int]:
+    """HF's greedy continuation of one unpadded prompt, as ``hf_greedy``, found by checking a
+    ``draft`` of it in one forward pass (``hf_next_tokens``). From where the draft first departs
+    from HF, ``generate`` continues, so the answer does not depend on the draft; a right one (the
+    engine's output) costs one pass over the weights, not one a token."""
+    assert max_new_tokens >= 1
+    best = hf_next_tokens(model, prompt_ids, draft[: max_new_tokens - 1])
+    for j, token in enumerate(best):
+        if j == len(draft) or draft[j] != token:
+            head = [*draft[:j], token]
+            rest = max_new_tokens - len(head)
+            return head + (hf_greedy(model, prompt_ids + head, rest) if rest else [])
+    return best
+
+
 def hf_logprobs(model: Any, token_ids: list[int]) -> torch.Tensor:
     """[len(token_ids), V]: log-softmax of HF's logits at every position of one forward pass."""
     with torch.no_grad():
@@ -161,20 +186,29 @@ def hf_logprobs(model: Any, token_ids: list[int]) -> torch.Tensor:
     return logits.float().log_softmax(-1)
 
 
+def hf_next_logprobs(model: Any, prompt_ids: list[int], token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), V]: HF's log-softmax predicting each generated token, row ``j`` after
+    ``prompt_ids + token_ids[:j]`` (one forward pass; logits of the prompt's rows not made)."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt_ids + token_ids[:-1]])
+        logits = model(ids, logits_to_keep=len(token_ids)).logits[0]
+    return logits.float().log_softmax(-1)
+
+
 def logprob_error(
-    prompt_ids: list[int], token_ids: list[int], logprobs: list[dict[int, float]] | None, ref: Any
+    token_ids: list[int], logprobs: list[dict[int, float]] | None, ref: torch.Tensor
 ) -> float:
     """Largest |engine - reference| over every returned logprob of a completion.
 
-    ``ref`` is ``hf_logprobs`` over ``prompt_ids + token_ids``: generated token ``j`` was
-    predicted at position ``len(prompt_ids) - 1 + j``. Also checks that each entry holds the
-    reference's top tokens (nothing outside it is more likely than what it holds).
+    ``ref`` is ``hf_next_logprobs`` of the completion: row ``j`` predicts generated token ``j``.
+    Also checks that each entry holds the reference's top tokens (nothing outside it is more
+    likely than what it holds).
     """
     assert logprobs is not None, "no logprobs returned"
-    assert len(logprobs) == len(token_ids), (len(logprobs), len(token_ids))
+    assert len(logprobs) == len(token_ids) == len(ref), (len(logprobs), len(token_ids), len(ref))
     worst = 0.0
     for j, entry in enumerate(logprobs):
-        row = ref[len(prompt_ids) - 1 + j]
+        row = ref[j]
         assert entry, f"empty logprobs entry at token {j}"
         for tid, value in entry.items():
             worst = max(worst, abs(float(row[tid]) - value))
@@ -186,9 +220,9 @@ def logprob_error(
 
 _LIVE_LLMS: weakref.WeakSet[LLM] = weakref.WeakSet()
 
-# The KV pool of a tiny model's engine: its 64 sequences at their full 512 positions (1-2 KiB a
-# position). The engine's default, 512 MiB, is zero-filled at every build: most of a tiny engine's
-# build time, and most of the suite's memory where fixtures hold engines.
+# The KV pool of a tiny model's engine: 16-32k positions (1-2 KiB each), dozens of sequences at
+# their full 512. The engine's default, 512 MiB, is zero-filled at every build: most of a tiny
+# engine's build time, and most of the suite's memory where fixtures hold engines.
 TINY_KV_BYTES = 32 * 2**20
 
 

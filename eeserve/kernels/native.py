@@ -27,22 +27,11 @@ from eeserve.config import eeserve_home
 
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
-_NAMES = (
-    "cpu_ops.cpp", "int8_ops.cpp", "f32_ops.cpp", "layer_ops.cpp", "span_attention.cpp",
-    "decode_stack.cpp", "screen_ops.cpp",
-)  # fmt: skip
-SOURCES = tuple(_CSRC / name for name in _NAMES)
-_HEADER_NAMES = (
-    "tile_loop.h",
-    "paged_checks.h",
-    "linear_tiles.h",
-    "attend.h",
-    "row_ops.h",
-    "stack_layout.h",
-    "stack_pass.h",
-    "stack_checks.h",
-)
-HEADERS = tuple(_CSRC / name for name in _HEADER_NAMES)
+# Every source and header of the folder: the build key covers them all, so no edit can reuse a
+# library built from other code.
+SOURCES = tuple(sorted(_CSRC.glob("*.cpp")))
+HEADERS = tuple(sorted(_CSRC.glob("*.h")))
+_LIBRARY = "eeserve_cpu_ops"
 _lock = threading.Lock()
 
 
@@ -161,6 +150,17 @@ def _cpu_key() -> str:
     return h.hexdigest()[:16]
 
 
+def _load_built(library: Path) -> bool:
+    """Loads a library built under the same key: the key covers every source, so nothing needs
+    rebuilding (ninja would rebuild by file times alone, e.g. after a fresh checkout)."""
+    try:
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError) as exc:  # an incomplete file: build it again
+        log.warning("eeserve CPU kernels: %s did not load (%s); building again", library, exc)
+        return False
+    return True
+
+
 def _ninja_on_path() -> None:
     """torch's extension builder runs ``ninja`` from PATH; the pip package may only be in the
     virtual environment's bin folder, which is not on PATH when the venv is not activated."""
@@ -188,12 +188,15 @@ def load() -> NativeOps | None:
         try:
             from torch.utils.cpp_extension import load as build
 
-            _ninja_on_path()
             out = eeserve_home() / "kernels" / _cpu_key()
+            built = out / f"{_LIBRARY}.so"
+            if built.exists() and _load_built(built):
+                return NativeOps(torch.ops.eeserve)
+            _ninja_on_path()
             out.mkdir(parents=True, exist_ok=True)
-            log.info("eeserve CPU kernels: loading (built once into %s)", out)
+            log.info("eeserve CPU kernels: building once into %s", out)
             build(
-                name="eeserve_cpu_ops",
+                name=_LIBRARY,
                 sources=[str(s) for s in SOURCES],
                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],

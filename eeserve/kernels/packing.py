@@ -25,6 +25,9 @@ from eeserve.models.llama import LlamaForCausalLM, RMSNorm, Rotary, silu_and_mul
 
 # The engine kernels' layout: blocks of 16 output channels side by side, tiles of 2 such blocks.
 BLOCK, TILE = 16, 32
+# Rows of a weight packed (or quantised, ``quant``) at once, a multiple of BLOCK: a
+# vocabulary-sized head then needs no whole float temporary beside its packed copy at load.
+ROW_CHUNK = 4096
 
 
 def pack_blocks(t: torch.Tensor) -> torch.Tensor:
@@ -32,9 +35,16 @@ def pack_blocks(t: torch.Tensor) -> torch.Tensor:
     that one column of the block is 16 consecutive values; zero rows past N."""
     n, x = t.shape
     padded = -(-n // TILE) * TILE
-    out = torch.zeros(padded, x, dtype=t.dtype, device=t.device)
-    out[:n] = t
-    return out.view(padded // BLOCK, BLOCK, x).transpose(1, 2).contiguous()
+    out = torch.zeros(padded // BLOCK, x, BLOCK, dtype=t.dtype, device=t.device)
+    for lo in range(0, n, ROW_CHUNK):
+        rows = t[lo : lo + ROW_CHUNK]
+        m = rows.shape[0]
+        whole = -(-m // BLOCK) * BLOCK
+        if whole != m:
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, whole - m))
+        blocks = out[lo // BLOCK : (lo + whole) // BLOCK]
+        blocks.copy_(rows.view(-1, BLOCK, x).transpose(1, 2))
+    return out
 
 
 class PackedLinear(nn.Module):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eeserve.kernels.native import NativeOps
-from eeserve.kernels.packing import BLOCK, pack_blocks
+from eeserve.kernels.packing import BLOCK, ROW_CHUNK, pack_blocks
 from eeserve.models.llama import LlamaForCausalLM
 
 # Inputs per scale (the module docstring gives the measurement behind it).
@@ -46,15 +46,22 @@ def group_count(in_features: int, group_size: int | None) -> int:
 def quantize_int8(
     weight: torch.Tensor, group_size: int | None = GROUP_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 [N, K], float32 scales [N, groups]), symmetric, round to nearest."""
-    w = weight.detach().float()
+    """[N, K] float -> (int8 [N, K], float32 scales [N, groups]), symmetric, round to nearest.
+    Rows go ``packing.ROW_CHUNK`` at a time: a vocabulary-sized head's float temporaries would
+    otherwise need several times its own size at load."""
+    w = weight.detach()
     n, k = w.shape
     groups = group_count(k, group_size)
-    wg = w.view(n, groups, k // groups)
-    amax = wg.abs().amax(dim=2)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))  # [N, groups]
-    q = torch.round(wg / scale[:, :, None]).clamp_(-127, 127).to(torch.int8)
-    return q.view(n, k), scale
+    q = torch.empty(n, k, dtype=torch.int8, device=w.device)
+    scale = torch.empty(n, groups, dtype=torch.float32, device=w.device)
+    for lo in range(0, n, ROW_CHUNK):
+        wg = w[lo : lo + ROW_CHUNK].float().view(-1, groups, k // groups)
+        amax = wg.abs().amax(dim=2)
+        sc = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))  # [rows, groups]
+        rows = torch.round(wg / sc[:, :, None]).clamp_(-127, 127).to(torch.int8)
+        q[lo : lo + ROW_CHUNK] = rows.view(-1, k)
+        scale[lo : lo + ROW_CHUNK] = sc
+    return q, scale
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
