@@ -16,6 +16,7 @@ import torch
 
 from eeserve import LLM
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
+from eeserve.engine.kernel_route import Kernel, route_pass
 from eeserve.engine.measures import confidence
 from eeserve.kernels.fused import CheckedSpan, FusedCall, FusedDecoder, PassAttention, StackCheck
 from eeserve.kernels.native import NativeOps, load
@@ -397,3 +398,20 @@ def test_bad_checks_raise_and_write_nothing(
     with pytest.raises(RuntimeError, match=message), torch.inference_mode():
         fused.run_checked(h, cos, sin, kv.k, kv.v, plan, 0, 3, span)
     assert torch.equal(kv.k, before)
+
+
+def test_the_route_names_the_kernel_and_why_not() -> None:
+    """``kernel_route.route_pass`` is the one decision: decode rows alone take decode_stack, a
+    pass with prompt rows one kernel call per layer, no fused decoder the modules; below
+    decode_stack it says why."""
+    ops = load()
+    assert ops is not None
+    fused = FusedDecoder.build(_model(ops, "float32"), ops)
+    assert fused is not None
+    decode = route_pass(fused, _decode_rows())
+    assert decode.kernel is Kernel.DECODE_STACK and not decode.why_not_stack
+    for meta in (_mixed(), _prompt()):
+        route = route_pass(fused, meta)
+        assert route.kernel is Kernel.LAYER_KERNELS and "prompt rows" in route.why_not_stack
+    plain = route_pass(None, _decode_rows())
+    assert plain.kernel is Kernel.MODULES and plain.attention is None and plain.why_not_stack

@@ -242,11 +242,14 @@ def live_llms() -> list[LLM]:
 
 
 def assert_engine_clean(llm: LLM) -> None:
-    """No request left behind and every KV block back in the free pool with no reference."""
+    """No request left behind, no runner record of one, and every KV block back in the free pool
+    with no reference."""
     engine = llm.engine
     bm = engine.block_manager
     assert not engine.has_unfinished_requests(), "requests left in the scheduler"
     assert engine.num_unfinished == 0, "requests left in the engine"
+    engine.step()  # nothing to run: the runner hears of the requests that finished
+    assert not engine.runner.requests, "the runner kept records of finished requests"
     held = [b.block_id for b in bm.blocks if b.ref_count != 0]
     assert not held, f"blocks still referenced: {held[:10]}"
     assert bm.num_free_blocks == bm.num_blocks, (bm.num_free_blocks, bm.num_blocks)

@@ -230,7 +230,7 @@ class ModelRunner:
             spec = (
                 SpecControl(max_drafts=plan.num_draft_tokens) if seq.speculative and plan else None
             )
-            state = self.requests[seq.seq_id] = RequestState(seq_id=seq.seq_id, spec=spec)
+            state = self.requests[seq.seq_id] = RequestState(spec=spec)
         return state
 
     # -- inputs ------------------------------------------------------------------------------

@@ -82,7 +82,6 @@ class SpecControl:
 
 @dataclass(kw_only=True)
 class RequestState:
-    seq_id: int
     owed: dict[int, OwedPosition] = field(default_factory=dict)  # position -> its debt
     drafts: list[Draft] = field(default_factory=list)
     spec: SpecControl | None = None  # speculative requests only
