@@ -5,6 +5,7 @@ from eeserve.exit_params import ExitParams
 from eeserve.llm import LLM
 from eeserve.outputs import CompletionOutput, ExitStats, RequestOutput
 from eeserve.sampling_params import SamplingParams
+from eeserve.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -14,5 +15,6 @@ __all__ = [
     "ExitStats",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 __version__ = "0.1.0"

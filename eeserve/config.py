@@ -129,6 +129,12 @@ class EngineConfig:
         "and the float rows that can still be the maximum (the same tokens as the whole head; CPU "
         "kernels, float32)",
     )
+    jump_forward: bool = _option(
+        True,
+        "constrained requests: tokens the grammar forces (the only one it allows) are appended "
+        "without a pass of their own, and their positions computed together in the next pass "
+        "(the same tokens as without it)",
+    )
     quantization: str | None = _option(
         None,
         "weight-only int8 projections and LM head at load (activations stay in --dtype)",

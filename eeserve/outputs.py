@@ -7,9 +7,12 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ExitStats:
-    mean_exit_layer: float  # over generated tokens, 1-based (L = full depth)
-    layers_saved_fraction: float  # 1 - layers run / (tokens * L)
+    # Over the generated tokens that the model chose (forced tokens apart), 1-based (L = full
+    # depth), and 1 - layers run / (tokens * L) over the same tokens.
+    mean_exit_layer: float
+    layers_saved_fraction: float
     num_layers: int
+    num_forced: int = 0  # tokens the grammar forced (structured outputs): no layer chose them
     # ``speculative`` mode (None otherwise): accepted / drafted over verified drafts, drafts per
     # verification that checked any, and the mean exit layer drafts came from.
     acceptance_rate: float | None = None
@@ -27,6 +30,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     exit_layers: list[int] = field(default_factory=list)
     exit_confidences: list[float] = field(default_factory=list)
+    forced: list[bool] = field(default_factory=list)  # per token: forced by the grammar
     exit_stats: ExitStats | None = None
     logprobs: list[dict[int, float]] | None = None
     # ``speculative`` mode, per token: the exit layer its draft came from (None: not drafted, a

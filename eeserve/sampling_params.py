@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from eeserve.structured_outputs import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -23,6 +25,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # The shape the output must take (JSON schema, regex, choice, grammar); None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +100,20 @@ class SamplingParams:
             self.stop_token_ids,
         )
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "a StructuredOutputsParams or None",
+            self.structured_outputs,
+        )
+        # The grammar's end is the end of the sequence: nothing may follow it.
+        _check(
+            not (self.ignore_eos and self.structured_outputs is not None),
+            "ignore_eos",
+            "False when structured_outputs is set (the end of the grammar ends the output)",
+            self.ignore_eos,
+        )
 
     @property
     def greedy(self) -> bool:
@@ -103,8 +121,9 @@ class SamplingParams:
 
     @property
     def argmax_only(self) -> bool:
-        """Only the argmax of a step's logits is read: greedy, no logprobs."""
-        return self.greedy and self.logprobs is None
+        """Only the argmax of a step's logits is read: greedy, no logprobs, no constraint (the
+        allowed tokens' maximum may lie anywhere)."""
+        return self.greedy and self.logprobs is None and self.structured_outputs is None
 
 
 def _is_int(x: object) -> bool:

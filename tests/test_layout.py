@@ -18,6 +18,7 @@ PKG = Path(__file__).resolve().parent.parent / "eeserve"
 LAYERS: dict[str, tuple[int, str]] = {
     "eeserve.config": (0, "types"),
     "eeserve.sampling_params": (0, "types"),
+    "eeserve.structured_outputs": (0, "types"),
     "eeserve.exit_params": (0, "types"),
     "eeserve.outputs": (0, "types"),
     "eeserve.models": (1, "models"),

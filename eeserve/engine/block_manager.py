@@ -124,6 +124,10 @@ class BlockManager:
         """Room for the K/V of every token not yet computed (one, in decode)."""
         return self.blocks_needed(seq.num_tokens) - len(seq.block_table) <= self.num_free_blocks
 
+    def covers(self, seq: Sequence) -> bool:
+        """Does ``seq`` hold blocks for all its tokens?"""
+        return len(seq.block_table) >= self.blocks_needed(seq.num_tokens)
+
     def append_slot(self, seq: Sequence) -> None:
         while len(seq.block_table) < self.blocks_needed(seq.num_tokens):
             seq.block_table.append(self._take_free())

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from eeserve.config import EngineConfig, ExitPolicy, KVFill, Quantization
 from eeserve.engine.block_manager import BlockManager
 from eeserve.engine.detokenizer import Detokenizer
+from eeserve.engine.grammar import GrammarCompiler
 from eeserve.engine.model_runner import ModelRunner, RunnerOptions
 from eeserve.engine.plan import ExitPlan, resolve_exit_plan
 from eeserve.engine.runner_output import SeqStep
@@ -132,8 +133,12 @@ class LLMEngine:
             quantization=Quantization(config.quantization) if config.quantization else None,
             draft=self.speculative_draft,
             screen_head=config.screen_head,
+            jump_forward=config.jump_forward,
         )
         self.runner = ModelRunner(model, mcfg, opts, self.exit_config, heads)
+        eos = self.tokenizer.eos_token_id
+        end = int(eos) if eos is not None else min(self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, vocab_size=mcfg.vocab_size, eos=end)
         self.scheduler = Scheduler(self._scheduler_config(), self.block_manager)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, Detokenizer] = {}
@@ -192,11 +197,13 @@ class LLMEngine:
             self._counter += 1
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
+        constraint = params.structured_outputs
         seq = Sequence(
             request_id,
             ids,
             params,
             exit_plan=self.exit_plan(exit_params),
+            grammar=self.grammars.compile(constraint) if constraint is not None else None,
             prompt=prompt if isinstance(prompt, str) else None,
         )
         self._seqs[request_id] = seq
@@ -250,7 +257,7 @@ class LLMEngine:
 
     def _apply(self, seq: Sequence, r: SeqStep) -> RequestOutput:
         if r.spec is not None:
-            self._apply_spec(seq, r.spec, r.confidence)
+            self._apply_spec(seq, r.spec, r.confidence, r.forced)
             return self._output(seq)
         seq.num_computed_tokens = seq.num_tokens
         # The exit layer of this pass is the depth of the last position just computed: record it
@@ -261,14 +268,37 @@ class LLMEngine:
         assert r.token_id is not None
         seq.output_token_ids.append(r.token_id)
         seq.exit_confidences.append(r.confidence)
+        seq.forced.append(False)
         if r.logprobs is not None:
             seq.logprobs.append(r.logprobs)
         reason = self._check_stop(seq, r.token_id)
         if reason is not None:
             self._finish(seq, reason)
+        else:
+            self._append_forced(seq, r.forced)
         return self._output(seq)
 
-    def _apply_spec(self, seq: Sequence, r: SpecOutput, confidence: float) -> None:
+    def _append_forced(self, seq: Sequence, forced: list[int]) -> None:
+        """Tokens the grammar forces: output without a pass of their own; their positions are
+        computed (at full depth) with the next pass's row, as one chunk."""
+        full = self.model_config.num_layers
+        for t in forced:
+            seq.output_token_ids.append(t)
+            seq.exit_layers.append(full)
+            seq.exit_confidences.append(1.0)
+            seq.forced.append(True)
+            if seq.sampling_params.logprobs is not None:
+                seq.logprobs.append({t: 0.0})  # the only token the grammar allows
+            if seq.spec_stats is not None:
+                seq.spec_stats.record([], 0, 1)
+            reason = self._check_stop(seq, t)
+            if reason is not None:
+                self._finish(seq, reason)
+                return
+
+    def _apply_spec(
+        self, seq: Sequence, r: SpecOutput, confidence: float, forced: list[int]
+    ) -> None:
         """A speculative step: keep a new draft (nothing is output, stop-checked or hashed), or
         roll the drafts back to the verified tokens and apply those one by one."""
         stats = seq.spec_stats
@@ -288,6 +318,7 @@ class LLMEngine:
             seq.exit_layers.append(self.model_config.num_layers)
             seq.output_token_ids.append(t)
             seq.exit_confidences.append(confidence)
+            seq.forced.append(False)
             if lp is not None:
                 seq.logprobs.append(lp)
             reason = self._check_stop(seq, t)
@@ -299,6 +330,7 @@ class LLMEngine:
             seq.num_computed_tokens = seq.num_tokens - 1
             self.block_manager.truncate(seq)
             self.block_manager.commit(seq)
+            self._append_forced(seq, forced)
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.sampling_params
@@ -331,11 +363,14 @@ class LLMEngine:
             self._detok.pop(seq.request_id, None)
         text = det.text if det is not None else ""
         num_layers = self.model_config.num_layers
-        n = len(seq.exit_layers)
+        # Forced tokens ran no layer to be chosen: counted apart, not as full-depth tokens.
+        chosen = [e for e, f in zip(seq.exit_layers, seq.forced) if not f]
+        n = len(chosen)
         stats = ExitStats(
-            mean_exit_layer=sum(seq.exit_layers) / n if n else float(num_layers),
-            layers_saved_fraction=1 - sum(seq.exit_layers) / (n * num_layers) if n else 0.0,
+            mean_exit_layer=sum(chosen) / n if n else float(num_layers),
+            layers_saved_fraction=1 - sum(chosen) / (n * num_layers) if n else 0.0,
             num_layers=num_layers,
+            num_forced=len(seq.exit_layers) - n,
         )
         spec = seq.spec_stats
         if spec is not None:
@@ -353,6 +388,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             exit_layers=list(seq.exit_layers),
             exit_confidences=list(seq.exit_confidences),
+            forced=list(seq.forced),
             exit_stats=stats,
             logprobs=list(seq.logprobs) if seq.sampling_params.logprobs is not None else None,
             draft_layers=list(spec.draft_layers) if spec is not None else None,

@@ -27,6 +27,7 @@ from eeserve.engine.draft_vocab import SubsetHead
 from eeserve.engine.exit_checks import ExitChecks, Shortlist, shortlist_rows
 from eeserve.engine.exit_loop import ExitLoop
 from eeserve.engine.exit_state import ExitBatch, ExitResult, SeqIdx, exit_batch
+from eeserve.engine.grammar import constrain
 from eeserve.engine.kv_fill import KVFiller
 from eeserve.engine.layer_cost import layer_cost, measure_model_layers
 from eeserve.engine.layer_stack import LayerStack
@@ -62,6 +63,7 @@ class RunnerOptions:
     quantization: Quantization | None = None
     draft: DraftSource = DraftSource.EXITS  # what drafts for speculative requests (resolved)
     screen_head: bool = True  # greedy steps: int8 screen + exact float rows (kernels.screened_head)
+    jump_forward: bool = True  # constrained requests: forced tokens skip their own pass
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,7 +232,8 @@ class ModelRunner:
             spec = (
                 SpecControl(max_drafts=plan.num_draft_tokens) if seq.speculative and plan else None
             )
-            state = self.requests[seq.seq_id] = RequestState(spec=spec)
+            matcher = seq.grammar.matcher() if seq.grammar is not None else None
+            state = self.requests[seq.seq_id] = RequestState(spec=spec, matcher=matcher)
         return state
 
     # -- inputs ------------------------------------------------------------------------------
@@ -363,6 +366,8 @@ class ModelRunner:
                 owed = res.verify_logits.get(SeqIdx(i)) if res is not None else None
                 step.spec = self.speculator.result(seq, state, step, logits[i], owed)
             step.owed = state.owed_positions
+            if sampling[i]:
+                step.forced = self._forced(seq, state, step)
         return RunnerOutput(seqs=steps, layers_run=layers_run, layer_passes=layer_passes)
 
     def _exit_batch(
@@ -407,21 +412,42 @@ class ModelRunner:
     ) -> None:
         """One batched draw for every row that samples, except verifications (their tokens come
         from the speculator); logprobs for rows that asked, except drafts (theirs come with the
-        verified tokens). A prompt chunk short of its last token samples nothing (its seeded
+        verified tokens). A constrained row draws among the tokens its grammar allows, which then
+        accepts the token. A prompt chunk short of its last token samples nothing (its seeded
         generator waits)."""
         full = self.config.num_layers
         verifying = [self.speculator.verifies(st, s.exit_layer) for st, s in zip(states, steps)]
         rows = [i for i, (v, ok) in enumerate(zip(verifying, sampling)) if ok and not v]
         if not rows:
             return
+        fallback = {i: m for i in rows if (m := states[i].matcher) and not constrain(m, logits[i])}
         picked = self.sampler.sample(
             logits[rows] if len(rows) < len(seqs) else logits,
             [seqs[i].sampling_params for i in rows],
             [seqs[i].seq_id for i in rows],
         )
         for i, token in zip(rows, picked.cpu().tolist()):
-            seq, step = seqs[i], steps[i]
+            seq, step, matcher = seqs[i], steps[i], states[i].matcher
+            if i in fallback:  # a draft head that covers none of the allowed tokens
+                token = fallback[i].first_allowed()
+                logits[i, token] = 0.0  # the draft's distribution: that token alone
             step.token_id = token
+            if matcher is not None:
+                matcher.accept([token])
             n = seq.sampling_params.logprobs
             if n is not None and not (states[i].spec is not None and step.exit_layer < full):
                 step.logprobs = token_logprobs(logits[i], token, n)
+
+    def _forced(self, seq: Sequence, state: RequestState, step: SeqStep) -> list[int]:
+        """The tokens the grammar forces after this step's verified tokens (none after a draft:
+        the next draft is forced by the mask alone), within ``max_tokens`` and the context."""
+        if state.matcher is None or not self.opts.jump_forward:
+            return []
+        if step.spec is not None and step.spec.drafted:
+            return []
+        made = len(step.spec.token_ids) if step.spec is not None else 1
+        room = min(
+            seq.sampling_params.max_tokens - seq.num_verified_output,
+            self.opts.max_model_len - (seq.num_tokens - seq.num_drafts),
+        )
+        return state.matcher.forced(room - made)

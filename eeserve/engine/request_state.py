@@ -10,11 +10,13 @@ the runner carries from one step to the next:
 - ``drafts``: its pending (unverified) speculative drafts, oldest first: the exit layer each came
   from and, for sampled requests, the distribution it was drawn from (speculative sampling needs
   it at verification);
-- ``spec``: the adaptive draft limit of a speculative request.
+- ``spec``: the adaptive draft limit of a speculative request;
+- ``matcher``: a constrained request's grammar state (``engine.grammar``), advanced by every
+  token the runner chooses for it, drafts included, and rolled back when drafts go.
 (A seeded request's generator is the ``Sampler``'s, released with this record.)
-A preemption (``SchedulerOutput.preempted_ids``) drops the debt and the drafts: the request is
-recomputed from its verified tokens at full depth. The engine sees none of this; it reads what a
-step changed from the step's ``SeqStep`` (``runner_output``).
+A preemption (``SchedulerOutput.preempted_ids``) drops the debt and the drafts (the grammar
+forgets them): the request is recomputed from its verified tokens at full depth. The engine sees
+none of this; it reads what a step changed from the step's ``SeqStep`` (``runner_output``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from eeserve.engine.grammar import TokenMatcher
 
 # Two verifications in a row that accept nothing pause drafting for this many verified tokens.
 PAUSE_AFTER_REJECTIONS = 2
@@ -85,6 +89,7 @@ class RequestState:
     owed: dict[int, OwedPosition] = field(default_factory=dict)  # position -> its debt
     drafts: list[Draft] = field(default_factory=list)
     spec: SpecControl | None = None  # speculative requests only
+    matcher: TokenMatcher | None = None  # constrained requests only
 
     @property
     def owed_positions(self) -> tuple[int, ...]:
@@ -94,4 +99,6 @@ class RequestState:
     def preempted(self) -> None:
         """Recomputation at full depth pays the debt; the unverified drafts are dropped."""
         self.owed.clear()
+        if self.matcher is not None:
+            self.matcher.rollback(len(self.drafts))
         self.drafts.clear()

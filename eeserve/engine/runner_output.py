@@ -8,7 +8,7 @@ refers back to other rows by index. Plain data: no tensors cross from the runner
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from eeserve.engine.speculative import SpecOutput
 
@@ -27,6 +27,10 @@ class SeqStep:
     owed: tuple[int, ...] = ()
     # Speculative sequences: a new draft or a verification's kept tokens (None: other modes).
     spec: SpecOutput | None = None
+    # Constrained sequences: the tokens the grammar forces after this step's verified tokens
+    # (already accepted by its matcher); the engine appends them, and the next pass computes
+    # their positions as one chunk (jump-forward).
+    forced: list[int] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

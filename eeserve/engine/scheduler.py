@@ -18,6 +18,8 @@ that pass only when those positions reach its last token.
   go first so that waiting requests join as soon as they fit) or a decode batch (every running
   sequence, one token each).
 
+A constrained sequence whose grammar forced tokens after its last one (jump-forward) has
+several new positions: they get their slots as a decode row does and are computed as a chunk.
 When a decode row cannot get a block, the most recently admitted sequence is preempted: its
 blocks are freed and it waits at the head of the queue to be recomputed later (from its prefix
 cache hits, if any), so its output does not change. Requests that could never fit are refused
@@ -103,8 +105,8 @@ class Scheduler:
 
     def _schedule_mixed(self) -> SchedulerOutput:
         """Decode rows of every running sequence, then prompt chunks within the budget."""
-        decoding = [s for s in self.running if s.num_new_tokens == 1]
-        kept, preempted = self._reserve(decoding)
+        kept, preempted = self._reserve([s for s in self.running if self._grows(s)])
+        kept = [s for s in kept if s.num_new_tokens == 1]
         prefilling = [s for s in self.running if s.num_new_tokens > 1]
         budget: float = self.config.max_num_batched_tokens
         budget -= sum(1 + len(s.owed) for s in kept)
@@ -153,7 +155,14 @@ class Scheduler:
 
     def _schedule_decode(self) -> SchedulerOutput:
         scheduled, preempted = self._reserve(list(self.running))
-        return self._output(scheduled, [1] * len(scheduled), preempted)
+        return self._output(scheduled, [s.num_new_tokens for s in scheduled], preempted)
+
+    def _grows(self, seq: Sequence) -> bool:
+        """Does ``seq`` need cache slots for new tokens: a decode row, or a run of tokens that a
+        grammar forced (jump-forward), computed as a chunk of generated positions."""
+        return seq.num_new_tokens == 1 or (
+            bool(seq.output_token_ids) and not self.block_manager.covers(seq)
+        )
 
     def _reserve(self, decoding: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """A block slot for the next token of each of ``decoding``; when none is left, the most

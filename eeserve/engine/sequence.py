@@ -16,6 +16,7 @@ import enum
 import itertools
 from dataclasses import KW_ONLY, dataclass, field
 
+from eeserve.engine.grammar import Grammar
 from eeserve.engine.plan import ExitPlan
 from eeserve.engine.speculative import SpecStats
 from eeserve.exit_params import ExitMode
@@ -38,6 +39,7 @@ class Sequence:
     sampling_params: SamplingParams
     _: KW_ONLY
     exit_plan: ExitPlan | None = None  # the request's ExitParams, resolved (None: full depth)
+    grammar: Grammar | None = None  # its constraint, compiled (None: free text)
     seq_id: int = field(default_factory=lambda: next(_ids))
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
@@ -49,6 +51,7 @@ class Sequence:
     # Early-exit record: one entry per generated token (layer is 1-based, L = full depth).
     exit_layers: list[int] = field(default_factory=list)
     exit_confidences: list[float] = field(default_factory=list)
+    forced: list[bool] = field(default_factory=list)  # per generated token: forced by the grammar
     # Positions whose deep-layer K/V is still owed, ascending (reported by the runner).
     owed: tuple[int, ...] = ()
     num_drafts: int = 0  # pending (unverified) drafts at the end of ``output_token_ids``

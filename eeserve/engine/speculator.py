@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from eeserve.engine.grammar import TokenMatcher, constrain
 from eeserve.engine.plan import ExitPlan
 from eeserve.engine.request_state import Draft, OwedPosition, RequestState
 from eeserve.engine.runner_output import SeqStep
@@ -112,10 +113,17 @@ class Speculator:
         from layer 1 with its embedding h0 [n, D] as input (its K/V so far are the int8 copy's).
         A draft's confidence is not recorded (verified tokens get the verification's)."""
         params = [s.sampling_params for s in seqs]
+        covered = [st.matcher is None or constrain(st.matcher, logits[i]) for i, st in
+                   enumerate(states)]  # fmt: skip
         tokens = self.sampler.sample(logits, params, [s.seq_id for s in seqs]).cpu().tolist()
         full = self.num_layers
         steps = []
         for i, (seq, state) in enumerate(zip(seqs, states)):
+            if state.matcher is not None:
+                if not covered[i]:  # the int8 vocabulary holds none of the allowed tokens
+                    tokens[i] = state.matcher.first_allowed()
+                    logits[i, tokens[i]] = 0.0  # the draft's distribution: that token alone
+                state.matcher.accept([tokens[i]])
             state.owed[seq.num_computed_tokens] = OwedPosition(layer=0, hidden=h0[i])
             spec = self._draft(state, seq.sampling_params, logits[i], tokens[i], full)
             steps.append(
@@ -181,6 +189,8 @@ class Speculator:
         """logits [k+1, V]: full depth at the k drafted positions and the next one. The drafts
         leave ``state``: the kept tokens are verified, the rest are gone."""
         pending, state.drafts = state.drafts, []
+        if state.matcher is not None:
+            mask_positions(state.matcher, drafts, logits)
         if params.greedy:
             tokens, a = accept_greedy(drafts, logits)
         else:
@@ -195,6 +205,21 @@ class Speculator:
             token_logprobs(logits[i], t, n) if n is not None else None for i, t in enumerate(tokens)
         ]
         layers = [d.layer for d in pending]
+        if state.matcher is not None:
+            state.matcher.accept(tokens)
         return SpecOutput(
             drafted=False, token_ids=tokens, num_accepted=a, draft_layers=layers, logprobs=lps
         )
+
+
+def mask_positions(matcher: TokenMatcher, drafts: list[int], logits: torch.Tensor) -> None:
+    """logits [k+1, V] at k drafted positions and the next, each masked in place to what the
+    grammar allows there (after the drafts before it). ``matcher`` has accepted the k drafts on
+    entry and is back before them on return (the caller accepts the verified tokens)."""
+    k = len(drafts)
+    matcher.rollback(k)
+    for i in range(k + 1):
+        matcher.mask_(logits[i])
+        if i < k:
+            matcher.accept([drafts[i]])
+    matcher.rollback(k)
