@@ -85,7 +85,7 @@ class BatchProcessor:
             try:
                 admit(self.engine, rids, prep.specs, prep.exit_params)
             except ValueError as e:
-                raise engine_refusal(e, prep.prompt_param) from e
+                raise engine_refusal(e, prep) from e
         except ApiError as e:
             emit(api_error_line(env, request_id, e))
             return

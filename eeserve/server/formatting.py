@@ -68,14 +68,16 @@ def token_piece(
 
 
 def exit_stats(outputs: list[CompletionOutput], num_layers: int) -> dict[str, Any]:
-    """Exit statistics over ``outputs``; speculative ones add the acceptance rate and mean draft
-    length (averaged over the choices that drafted)."""
-    layers = [x for c in outputs for x in c.exit_layers]
+    """Exit statistics over ``outputs``: over the tokens the model chose, with the tokens a
+    grammar forced counted apart; speculative ones add the acceptance rate and mean draft length
+    (averaged over the choices that drafted)."""
+    layers = [x for c in outputs for k, x in enumerate(c.exit_layers) if not _forced(c, k)]
     total = sum(layers)
     out: dict[str, Any] = {
         "mean_exit_layer": total / len(layers) if layers else float(num_layers),
         "layers_saved_fraction": 1 - total / (len(layers) * num_layers) if layers else 0.0,
         "num_layers": num_layers,
+        "num_forced": sum(sum(c.forced) for c in outputs),
     }
     spec = [
         c.exit_stats for c in outputs if c.exit_stats and c.exit_stats.acceptance_rate is not None
@@ -222,7 +224,9 @@ class Formatter:
             st.piece_chars += len(text)
             if complete:
                 st.piece_anchor = k + 1
-            out.append({"text": text, "exit_layer": layer, "confidence": conf})
+            out.append(
+                {"text": text, "exit_layer": layer, "confidence": conf, "forced": _forced(c, k)}
+            )
         return out
 
     def _logprobs(self, c: CompletionOutput, a: int, b: int, st: _ChoiceState) -> dict[str, Any]:
@@ -292,6 +296,11 @@ def exit_config_summary(cfg: ExitConfig, policy: str) -> dict[str, Any]:
         "enabled_by_default": cfg.enabled_by_default,
         "exit_policy": policy,
     }
+
+
+def _forced(c: CompletionOutput, k: int) -> bool:
+    """Was token ``k`` forced by the request's grammar (no layer chose it)?"""
+    return k < len(c.forced) and c.forced[k]
 
 
 def _finish_reason(reason: str | None) -> str | None:

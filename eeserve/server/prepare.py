@@ -31,6 +31,7 @@ from eeserve.server.protocol import (
     CompletionRequest,
     EarlyExitOptions,
 )
+from eeserve.server.structured import ConstraintError, constraint_field, structured_params
 
 MAX_CHOICES = 256
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -90,6 +91,7 @@ class Prepared:
     top_logprobs: int | None
     stop: list[str]
     prompt_param: str  # the field a refusal of the prompt is reported against
+    constraint_param: str | None = None  # the field that set the output's constraint, if any
 
 
 # -- validation ---------------------------------------------------------------------------------
@@ -154,15 +156,19 @@ def prepare(info: ModelInfo, req: GenerationRequest, kind: Kind) -> Prepared:
         top, prompt_param = specs[0].params.logprobs, "messages"
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     exit_params = to_exit_params(req.early_exit, info.num_layers)
-    return Prepared(specs, prompt_lens, exit_params, top, stop, prompt_param)
+    constraint = constraint_field(req)
+    return Prepared(specs, prompt_lens, exit_params, top, stop, prompt_param, constraint)
 
 
-def engine_refusal(e: ValueError, prompt_param: str) -> ApiError:
-    """The engine refused a prepared request: the 400 that names the reason."""
+def engine_refusal(e: ValueError, prep: Prepared) -> ApiError:
+    """The engine refused a prepared request: the 400 that names the reason (the grammar library
+    refused its constraint: the field that set it)."""
     if isinstance(e, RequestRejected):
         return ApiError(400, str(e), param=e.param, code="invalid_value")
+    if str(e).startswith("structured_outputs") and prep.constraint_param is not None:
+        return ApiError(400, str(e), param=prep.constraint_param, code="invalid_constraint")
     code = "context_length_exceeded" if "maximum model length" in str(e) else "invalid_value"
-    return ApiError(400, str(e), param=prompt_param, code=code)
+    return ApiError(400, str(e), param=prep.prompt_param, code=code)
 
 
 def to_exit_params(opts: EarlyExitOptions | None, num_layers: int) -> ExitParams | None:
@@ -211,7 +217,10 @@ def _sampling(
             stop=req.stop,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            structured_outputs=structured_params(req),
         )
+    except ConstraintError as e:
+        raise ApiError(400, str(e), param=e.param) from e
     except ValueError as e:
         m = re.search(r"SamplingParams\.(\w+)", str(e))
         raise ApiError(400, str(e), param=m.group(1) if m else None) from e

@@ -87,6 +87,40 @@ class EarlyExitOptions(_Strict):
         return self
 
 
+class JsonSchemaFormat(_Strict):
+    name: Text = Field(max_length=64)
+    description: Text | None = None
+    schema_: dict[str, object] = Field(
+        default_factory=dict, alias="schema", description="the JSON schema the output follows"
+    )
+    strict: bool | None = Field(
+        None, description="true: objects take no properties beyond those the schema lists"
+    )
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: free text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` (extension): exactly one constraint."""
+
+    json_: dict[str, object] | Text | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -105,6 +139,14 @@ class _GenerationRequest(_Strict):
     user: Text | None = None
     ignore_eos: bool = False
     early_exit: EarlyExitOptions | None = None
+    # The output's shape: OpenAI's response_format, vLLM's guided_* and structured_outputs (at
+    # most one of them; docs/structured-outputs.md).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, object] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: StructuredOutputs | None = None
     request_timeout: float | None = Field(
         None,
         gt=0,
@@ -174,9 +216,12 @@ class Usage(BaseModel):
 
 
 class EarlyExitStats(BaseModel):
-    mean_exit_layer: float = Field(description="over generated tokens; num_layers = full depth")
+    mean_exit_layer: float = Field(
+        description="over the tokens the model chose (forced ones apart); num_layers = full depth"
+    )
     layers_saved_fraction: float
     num_layers: int
+    num_forced: int = Field(0, description="tokens a structured output's grammar forced")
     acceptance_rate: float | None = Field(None, description="speculative: accepted / drafted")
     mean_draft_length: float | None = Field(None, description="speculative: drafts/verification")
 

@@ -79,7 +79,7 @@ async def generate(
     except ShuttingDown as e:
         raise ApiError(503, str(e), type_="service_unavailable", code="shutting_down") from e
     except ValueError as e:
-        raise engine_refusal(e, prep.prompt_param) from e
+        raise engine_refusal(e, prep) from e
     fmt = Formatter(
         kind,
         req.model,

@@ -70,6 +70,18 @@ function parseValue(raw) {
   return Number.isFinite(n) ? n : s;
 }
 
+// The schema box: parsed JSON when it holds some; its raw text otherwise, so the server names
+// the problem (a 400 on response_format.json_schema.schema).
+function jsonSchema(raw) {
+  const s = raw.trim();
+  if (s === "") return undefined;
+  try {
+    return JSON.parse(s);
+  } catch {
+    return s;
+  }
+}
+
 export function buildBody(messages, fullDepth) {
   const body = { model: state.model, messages, stream: true, stream_options: { include_usage: true } };
   const maxTokens = parseValue($("max-tokens").value);
@@ -83,6 +95,10 @@ export function buildBody(messages, fullDepth) {
     if (v !== undefined) ee[$("ee-criterion").value] = v;
   }
   body.early_exit = ee;
+  const schema = jsonSchema($("json-schema").value);
+  if (schema !== undefined) {
+    body.response_format = { type: "json_schema", json_schema: { name: "output", schema, strict: true } };
+  }
   $("last-request").textContent = JSON.stringify(body, null, 2);
   return body;
 }

@@ -1,5 +1,8 @@
 // Tokens coloured by exit layer: the palette, the legend, token spans and their hover details.
-// Earlier exits get warmer tints; full depth stays plain. Text stays dark on every tint.
+// Earlier exits get warmer tints; full depth stays plain; tokens a structured output's grammar
+// forced (no layer chose them) are grey and underlined. Text stays dark on every tint.
+
+export const FORCED_COLOR = "hsl(0, 0%, 86%)";
 
 export function makePalette(exitConfig) {
   const numLayers = exitConfig.num_layers;
@@ -34,19 +37,25 @@ export function renderLegend(el, palette) {
   const full = document.createElement("span");
   full.textContent = `${palette.numLayers} (full depth)`;
   el.append(full);
+  const forced = document.createElement("span");
+  forced.textContent = "forced by the grammar";
+  forced.className = "forced";
+  forced.style.background = FORCED_COLOR;
+  el.append(forced);
 }
 
 // Hover text of one `exit_tokens` entry; shows speculative-decoding fields when the server
 // sends them (a `draft` object, or flags beside the usual keys) without depending on them.
 export function tokenInfo(entry, numLayers) {
   const lines = [];
-  if (entry.exit_layer >= numLayers) lines.push(`full depth (layer ${numLayers})`);
+  if (entry.forced) lines.push("forced by the grammar (no layer chose it)");
+  else if (entry.exit_layer >= numLayers) lines.push(`full depth (layer ${numLayers})`);
   else lines.push(`exit layer ${entry.exit_layer} of ${numLayers}`);
   if (entry.confidence !== null && entry.confidence !== undefined) {
     lines.push(`confidence ${Number(entry.confidence).toFixed(3)}`);
   }
   for (const [key, value] of Object.entries(entry)) {
-    if (["text", "exit_layer", "confidence"].includes(key)) continue;
+    if (["text", "exit_layer", "confidence", "forced"].includes(key)) continue;
     if (value && typeof value === "object") {
       for (const [k, v] of Object.entries(value)) lines.push(`${key} ${k}: ${fmt(v)}`);
     } else {
@@ -69,6 +78,12 @@ export function tokenSpan(entry, palette) {
     s.dataset.confidence = String(entry.confidence);
   }
   s.dataset.info = tokenInfo(entry, palette.numLayers);
+  if (entry.forced) {
+    s.dataset.forced = "true";
+    s.classList.add("forced");
+    s.style.background = FORCED_COLOR;
+    return s;
+  }
   const color = palette.color(entry.exit_layer);
   if (color) s.style.background = color;
   return s;
