@@ -375,3 +375,40 @@ def test_hover_shows_speculative_fields_when_present(server: Server, driver: Any
     lines = info[0].split("\n")
     assert lines == ["exit layer 10 of 30", "confidence 0.912", "draft accepted: false"]
     assert info[1] == "full depth (layer 30)"
+
+
+@pytest.mark.slow
+@browser
+def test_a_json_schema_shapes_the_answer(server: Server, driver: Any) -> None:
+    """The schema box sends ``response_format``; the answer parses and follows the schema, and
+    the tokens the grammar forced are coloured as the legend's forced entry."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
+        "required": ["ok", "n"],
+    }
+    page = Page(driver, server.base)
+    page.set_value("max-tokens", "60")
+    page.exits(enabled=True, value="0")
+    page.set_value("json-schema", json.dumps(schema))
+    page.send("Give me JSON")
+    assert page.error() == ""
+    fmt = page.last_request()["response_format"]
+    assert fmt == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema, "strict": True},
+    }
+    tokens = page.css(".msg.assistant .tok")
+    jsonschema.validate(json.loads("".join(t.text for t in tokens)), schema)
+    forced = [t for t in tokens if t.get_attribute("data-forced") == "true"]
+    legend = page.css("#legend span.forced")[0]
+    assert forced and all(
+        t.value_of_css_property("background-color")
+        == legend.value_of_css_property("background-color")
+        for t in forced
+    )
+    page.set_value("json-schema", '{"type": "objekt"}')
+    page.send("Again")
+    assert "response_format.json_schema.schema" in page.error()

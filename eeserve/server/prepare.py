@@ -11,6 +11,8 @@ as a completion prompt), builds one
 when it refuses a request (a prompt longer than the context, exit parameters the model's exits
 cannot honour) to the same 400s. Every problem is an ``ApiError``: status, message, the field in
 ``param``, a ``code`` (and response headers where the status needs some: ``Retry-After``).
+``check_model`` (404) and ``check_choices`` (400 beyond ``MAX_CHOICES``) are also what the server
+checks before it reserves a place in the queue for a request.
 """
 
 from __future__ import annotations
@@ -143,11 +145,15 @@ def _param(loc: tuple[Any, ...]) -> str | None:
 # -- request -> engine requests -----------------------------------------------------------------
 
 
-def prepare(info: ModelInfo, req: GenerationRequest, kind: Kind) -> Prepared:
+def check_model(info: ModelInfo, req: GenerationRequest) -> None:
     if req.model not in info.model_names:
         raise ApiError(
             404, f"The model `{req.model}` does not exist", param="model", code="model_not_found"
         )
+
+
+def prepare(info: ModelInfo, req: GenerationRequest, kind: Kind) -> Prepared:
+    check_model(info, req)
     if isinstance(req, CompletionRequest):
         specs, prompt_lens = completion_specs(info, req)
         top, prompt_param = req.logprobs, "prompt"
@@ -165,8 +171,10 @@ def engine_refusal(e: ValueError, prep: Prepared) -> ApiError:
     refused its constraint: the field that set it)."""
     if isinstance(e, RequestRejected):
         return ApiError(400, str(e), param=e.param, code="invalid_value")
-    if str(e).startswith("structured_outputs") and prep.constraint_param is not None:
-        return ApiError(400, str(e), param=prep.constraint_param, code="invalid_constraint")
+    field = prep.constraint_param
+    if str(e).startswith("structured_outputs") and field is not None:
+        reason = str(e).partition(": ")[2] or str(e)
+        return ApiError(400, f"{field}: {reason}", param=field, code="invalid_constraint")
     code = "context_length_exceeded" if "maximum model length" in str(e) else "invalid_value"
     return ApiError(400, str(e), param=prep.prompt_param, code=code)
 
@@ -232,7 +240,7 @@ def completion_specs(info: ModelInfo, req: CompletionRequest) -> tuple[list[Choi
         prompts: list[Any] = [p]
     else:
         prompts = list(p)
-    _check_choices(len(prompts) * req.n)
+    check_choices(len(prompts) * req.n)
     max_tokens = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
     specs: list[ChoiceSpec] = []
     lens: list[int] = []
@@ -251,7 +259,7 @@ def completion_specs(info: ModelInfo, req: CompletionRequest) -> tuple[list[Choi
 
 
 def chat_specs(info: ModelInfo, req: ChatCompletionRequest) -> tuple[list[ChoiceSpec], list[int]]:
-    _check_choices(req.n)
+    check_choices(req.n)
     messages = [
         {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
         for m in req.messages
@@ -278,6 +286,6 @@ def chat_specs(info: ModelInfo, req: ChatCompletionRequest) -> tuple[list[Choice
     return specs, [len(ids)]
 
 
-def _check_choices(n: int) -> None:
+def check_choices(n: int) -> None:
     if n > MAX_CHOICES:
         raise ApiError(400, f"at most {MAX_CHOICES} choices per request, got {n}", param="n")
