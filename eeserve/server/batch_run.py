@@ -102,6 +102,7 @@ class BatchProcessor:
             len(prep.specs),
             prep.top_logprobs,
             prep.stop,
+            tool_calls=prep.tool_calls,
         )
         job = _Job(env, request_id, fmt, prep.prompt_lens, len(prep.specs))
         self._jobs[request_id] = job

@@ -12,6 +12,9 @@ generated since the previous chunk, ``{"text", "exit_layer", "confidence"}``: ``
 the token adds to the decoded output (``""`` for a special token, or for the first bytes of a
 character that a later token completes), ``confidence`` is ``null`` at full depth. It is sent as
 soon as the token exists, ahead of ``content`` held back for stop strings.
+With ``tool_calls`` (the request offers tools), a chat output's calls become
+``message.tool_calls`` and stream ``delta.tool_calls`` as ``tool_output.py`` reads them, and an
+output that stopped after a call finishes with ``"tool_calls"``.
 ``exit_config_summary(cfg, policy)`` is the body of ``GET /v1/eeserve/exit_config``.
 """
 
@@ -25,6 +28,7 @@ from typing import Any, Literal
 from eeserve.exit_params import SHORTLIST_MEASURES
 from eeserve.models.exit_config import ExitConfig
 from eeserve.outputs import CompletionOutput
+from eeserve.server.tool_output import ToolStream, tool_finish_reason, tool_message
 
 LOGPROB_FLOOR = -9999.0  # the sampled token was outside the top-n the engine reported
 Kind = Literal["completion", "chat"]
@@ -96,6 +100,7 @@ class _ChoiceState:
     final: CompletionOutput | None = None
     piece_anchor: int = 0  # token_piece's state for exit_tokens: anchor token, characters done
     piece_chars: int = 0
+    tools: ToolStream | None = None  # the request offers tools: the calls streamed so far
 
 
 class Formatter:
@@ -108,6 +113,8 @@ class Formatter:
         num_choices: int,
         top_logprobs: int | None,
         stop: list[str],
+        *,
+        tool_calls: bool = False,
     ) -> None:
         self.kind = kind
         self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
@@ -117,7 +124,11 @@ class Formatter:
         self.num_layers = num_layers
         self.top_logprobs = top_logprobs
         self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.states = [_ChoiceState() for _ in range(num_choices)]
+        self.tool_calls = tool_calls and kind == "chat"
+        self.states = [
+            _ChoiceState(tools=ToolStream() if self.tool_calls else None)
+            for _ in range(num_choices)
+        ]
 
     # -- streaming ----------------------------------------------------------------------------
 
@@ -155,8 +166,9 @@ class Formatter:
         if self.kind == "completion":
             choice["text"] = delta
         else:
-            choice["delta"] = {"content": delta} if delta else {}
-        choice["finish_reason"] = _finish_reason(c.finish_reason)
+            choice["delta"] = _chat_delta(st, delta, finished)
+        called = st.tools is not None and st.tools.called
+        choice["finish_reason"] = tool_finish_reason(_finish_reason(c.finish_reason), called)
         choice["exit_tokens"] = exit_tokens
         if finished:
             choice["early_exit"] = exit_stats([c], self.num_layers)
@@ -181,10 +193,13 @@ class Formatter:
             choice: dict[str, Any] = {"index": i}
             if self.kind == "completion":
                 choice["text"] = c.text
+            elif self.tool_calls:
+                choice["message"] = tool_message(c.text)
             else:
                 choice["message"] = {"role": "assistant", "content": c.text}
             choice["logprobs"] = logprobs
-            choice["finish_reason"] = _finish_reason(c.finish_reason)
+            called = "tool_calls" in choice.get("message", {})
+            choice["finish_reason"] = tool_finish_reason(_finish_reason(c.finish_reason), called)
             choice["early_exit"] = exit_stats([c], self.num_layers)
             choices.append(choice)
         body = self._envelope(choices, chunk=False)
@@ -296,6 +311,17 @@ def exit_config_summary(cfg: ExitConfig, policy: str) -> dict[str, Any]:
         "enabled_by_default": cfg.enabled_by_default,
         "exit_policy": policy,
     }
+
+
+def _chat_delta(st: _ChoiceState, delta: str, finished: bool) -> dict[str, Any]:
+    """A chat chunk's ``delta``: the new text, or with tools, its content and call parts."""
+    if st.tools is None:
+        return {"content": delta} if delta else {}
+    content, calls = st.tools.delta(st.text, final=finished)
+    out: dict[str, Any] = {"content": content} if content else {}
+    if calls:
+        out["tool_calls"] = calls
+    return out
 
 
 def _forced(c: CompletionOutput, k: int) -> bool:

@@ -4,8 +4,9 @@ Contract: ``parse_body(kind, body)`` validates a decoded JSON body against the s
 models of ``protocol.py`` (the batch reader's path; FastAPI validates the server's bodies with the
 same models) and ``describe_validation_errors`` turns pydantic's errors into the one OpenAI error
 both report. ``prepare(info, req, kind)`` checks the model name (404), tokenizes (chat messages
-with the tokenizer's chat template; for a base model without one, their texts joined by newlines
-as a completion prompt), builds one
+with the tokenizer's chat template, and the tools the request offers as ``tools.py`` lays them
+out; for a base model without one, their texts joined by newlines as a completion prompt), builds
+one
 ``ChoiceSpec`` per (prompt, choice) with ``SamplingParams`` (choice ``i`` of ``n`` gets
 ``seed + i``) and the request's ``ExitParams``. ``engine_refusal`` maps what the engine says
 when it refuses a request (a prompt longer than the context, exit parameters the model's exits
@@ -33,7 +34,8 @@ from eeserve.server.protocol import (
     CompletionRequest,
     EarlyExitOptions,
 )
-from eeserve.server.structured import ConstraintError, constraint_field, structured_params
+from eeserve.server.structured import ConstraintError
+from eeserve.server.tools import offers_tools, output_constraint, output_field, prompt_messages
 
 MAX_CHOICES = 256
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -94,6 +96,7 @@ class Prepared:
     stop: list[str]
     prompt_param: str  # the field a refusal of the prompt is reported against
     constraint_param: str | None = None  # the field that set the output's constraint, if any
+    tool_calls: bool = False  # the output may hold tool calls (tools.py, tool_output.py)
 
 
 # -- validation ---------------------------------------------------------------------------------
@@ -162,8 +165,10 @@ def prepare(info: ModelInfo, req: GenerationRequest, kind: Kind) -> Prepared:
         top, prompt_param = specs[0].params.logprobs, "messages"
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     exit_params = to_exit_params(req.early_exit, info.num_layers)
-    constraint = constraint_field(req)
-    return Prepared(specs, prompt_lens, exit_params, top, stop, prompt_param, constraint)
+    constraint = output_field(req)
+    return Prepared(
+        specs, prompt_lens, exit_params, top, stop, prompt_param, constraint, offers_tools(req)
+    )
 
 
 def engine_refusal(e: ValueError, prep: Prepared) -> ApiError:
@@ -225,7 +230,7 @@ def _sampling(
             stop=req.stop,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
-            structured_outputs=structured_params(req),
+            structured_outputs=output_constraint(req),
         )
     except ConstraintError as e:
         raise ApiError(400, str(e), param=e.param) from e
@@ -260,17 +265,14 @@ def completion_specs(info: ModelInfo, req: CompletionRequest) -> tuple[list[Choi
 
 def chat_specs(info: ModelInfo, req: ChatCompletionRequest) -> tuple[list[ChoiceSpec], list[int]]:
     check_choices(req.n)
-    messages = [
-        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-        for m in req.messages
-    ]
+    messages, template_kwargs = prompt_messages(req, info.tokenizer)
     try:
         if getattr(info.tokenizer, "chat_template", None) is None:
             # A base model (no template): the messages' texts, one per line, as a completion.
             out = info.tokenizer("\n".join(m["content"] for m in messages)).input_ids
         else:
             out = info.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
+                messages, add_generation_prompt=True, tokenize=True, **template_kwargs
             )
     except Exception as e:  # a template may raise anything (jinja errors, its own checks)
         raise ApiError(

@@ -5,12 +5,15 @@ integer, ``1`` is not a boolean), reject NaN/inf, ignore unknown fields, and car
 range limits of ``SamplingParams`` so that a bad value is reported against its field name before
 anything reaches the engine. Every string must be encodable Unicode (no lone surrogates).
 ``early_exit`` is this server's extension, mapped to ``ExitParams``; so is ``request_timeout``
-(seconds the request may take before it is aborted).
+(seconds the request may take before it is aborted). Chat requests carry OpenAI's ``tools``,
+``tool_choice`` and ``parallel_tool_calls``; their messages, assistant ``tool_calls`` (arguments
+as JSON text) and ``tool`` results (``tool_call_id``).
 Response models document the JSON the handlers build (they are not used to validate it).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -121,6 +124,55 @@ class StructuredOutputs(_Strict):
     grammar: Text | None = None
 
 
+def _json_text(text: str) -> str:
+    """A tool call's ``arguments``: JSON text (the chat template may need the object)."""
+    try:
+        json.loads(text)
+    except ValueError as e:
+        raise PydanticCustomError(
+            "arguments_not_json", "arguments must be JSON text: {error}", {"error": str(e)}
+        ) from None
+    return text
+
+
+class FunctionDefinition(_Strict):
+    name: Text = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, object] | None = Field(
+        None, description="JSON schema of the arguments (omitted: no arguments)"
+    )
+    strict: bool | None = Field(
+        None, description="true: objects take no properties beyond those the schema lists"
+    )
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Strict):
+    name: Text
+    arguments: Annotated[Text, AfterValidator(_json_text)]
+
+
+class ToolCall(_Strict):
+    """A call the assistant made: in a response, and in the messages a client sends back."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -190,6 +242,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant: the calls it made")
+    tool_call_id: Text | None = Field(None, description="tool: the call this result answers")
 
     def text(self) -> str:
         if self.content is None:
@@ -204,6 +258,12 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Tool calls (docs/structured-outputs.md#tool-calls).
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="omitted: auto when tools are given, else none"
+    )
+    parallel_tool_calls: bool = Field(True, description="false: at most one call a turn")
 
 
 # -- responses (documentation) -------------------------------------------------------------------
@@ -269,7 +329,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="null when the answer is only tool calls")
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
