@@ -4,7 +4,8 @@ Contract: ``add_bench_parser(subparsers)`` adds ``eeserve bench`` (this engine v
 early-exit sweeps, ``bench.compare``) with its subcommands ``report`` (``bench.report``) and
 ``serve`` (``bench.serve``; ``--scenario long-prompts``: ``bench.arrivals``) and ``soak``
 (``bench.soak``: overload and endurance at multiples of the server's capacity) and ``checks``
-(``bench.checks``: what an exit check costs against a decoder layer).
+(``bench.checks``: what an exit check costs against a decoder layer) and ``structured``
+(``bench.structured``: constrained decoding, jump-forward and exits under a grammar).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from eeserve.bench.compare import main
 from eeserve.bench.report import add_report_parser
 from eeserve.bench.serve import add_bench_serve_parser, run_bench_serve
 from eeserve.bench.soak import add_soak_parser
+from eeserve.bench.structured import add_structured_parser
 from eeserve.config import QUANTIZATIONS
 
 
@@ -63,13 +65,16 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--exit-dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all)")
     p.set_defaults(func=main)
-    sub_bench = p.add_subparsers(dest="bench_command", metavar="{report,serve,soak,checks}")
+    sub_bench = p.add_subparsers(
+        dest="bench_command", metavar="{report,serve,soak,checks,structured}"
+    )
     add_report_parser(sub_bench)
     serve = add_bench_serve_parser(sub_bench)
     add_arrival_args(serve)
     serve.set_defaults(func=_serve)
     add_soak_parser(sub_bench)
     add_checks_parser(sub_bench)
+    add_structured_parser(sub_bench)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -66,6 +66,10 @@ class Speculator:
             room = seq.num_verified_output + pending + 1 < seq.sampling_params.max_tokens
             if not spec.may_draft(pending, room):
                 return None
+            # A grammar that forces the next token: verify now, and the forced run follows the
+            # verified tokens without a pass (drafting it would cost a pass a token).
+            if pending and state.matcher is not None and state.matcher.single() is not None:
+                return None
         return seq.exit_plan
 
     def exit_plans(

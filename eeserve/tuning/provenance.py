@@ -19,13 +19,31 @@ import torch
 
 
 def machine_description() -> dict[str, Any]:
+    cpu, isa = cpu_model_and_isa()
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu,
+        "isa": isa,
         "cpu_count": torch.get_num_threads(),
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+# The instruction sets the engine's kernels choose between, as /proc/cpuinfo names them.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")
+
+
+def cpu_model_and_isa() -> tuple[str | None, list[str]]:
+    """The CPU's model name and which of ``ISA_FLAGS`` it has (Linux; (None, []) elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None, []
+    info = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in lines) if v)
+    flags = set(info.get("flags", "").split())
+    return info.get("model name"), [f for f in ISA_FLAGS if f in flags]
 
 
 def git_revision() -> str | None:

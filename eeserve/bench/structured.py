@@ -1,0 +1,200 @@
+"""``eeserve bench structured``: what constrained decoding costs and what it buys, side by side.
+
+Contract: ``add_structured_parser(subparsers)`` registers the command; ``run_structured(args)``
+runs the extraction and classification workloads (``bench.structured_data``) at each batch size
+under each mode, greedy, alternated over ``--rounds`` (every mode once per round, in a rotated
+order), and writes one JSON file with the command, commit and machine. Modes (``Mode``):
+``free`` unconstrained full depth; ``constrained`` full depth under the constraint, every token
+its own pass; ``jump_forward`` the same with forced tokens appended without a pass of their own;
+``exits`` jump-forward plus exit mode at the model's default exit rule; ``default`` the
+engine's default mode (speculative) under the constraint. Per workload, batch and mode: output
+tokens per second (median over rounds), valid and schema-valid rates, forced and exited tokens,
+mean exit layer of the chosen tokens, token and field agreement with ``constrained``, and
+accuracy against the texts' own answers. A batch of B runs max(B, ``--min-prompts``) prompts in
+groups of B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eeserve.bench.structured_data import Workload, classification, extraction, field_agreement
+from eeserve.exit_params import ExitParams
+from eeserve.llm import LLM
+from eeserve.outputs import CompletionOutput
+from eeserve.sampling_params import SamplingParams
+from eeserve.tuning.provenance import provenance
+from eeserve.tuning.quality import token_agreement
+
+
+class Mode(enum.StrEnum):
+    FREE = "free"
+    CONSTRAINED = "constrained"
+    JUMP_FORWARD = "jump_forward"
+    EXITS = "exits"
+    DEFAULT = "default"
+
+
+@dataclass(kw_only=True)
+class Cell:
+    """One workload x batch x mode."""
+
+    workload: str
+    batch: int
+    mode: str
+    tokens_per_s: list[float] = field(default_factory=list)  # one per round
+    num_requests: int = 0
+    output_tokens: int = 0
+    valid_rate: float = 0.0
+    accuracy: float = 0.0  # fields equal to the text's own answer
+    forced_tokens: int = 0
+    exited_tokens: int = 0  # chosen at an exit layer (forced ones apart)
+    mean_exit_layer: float = 0.0
+    token_agreement: float | None = None  # with ``constrained`` (None: that is this mode)
+    field_agreement: float | None = None
+
+
+def _exit_params(mode: Mode, threshold: float | None) -> ExitParams | None:
+    if mode is Mode.DEFAULT:
+        return None  # the engine's default exit rule for the model (speculative)
+    if mode is Mode.EXITS:
+        return ExitParams(mode="exit", threshold=threshold)
+    return ExitParams(enabled=False)
+
+
+def _generate(
+    llm: LLM, w: Workload, mode: Mode, batch: int, n: int, args: argparse.Namespace
+) -> tuple[list[CompletionOutput], float]:
+    sp = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=0.0,
+        structured_outputs=None if mode is Mode.FREE else w.constraint,
+    )
+    prompts = [llm.apply_chat_template(c) for c in w.prompts[:n]]
+    outs: list[CompletionOutput] = []
+    ep = _exit_params(mode, args.exit_threshold)
+    start = time.perf_counter()
+    for i in range(0, n, batch):
+        got = llm.generate(prompts[i : i + batch], sp, exit_params=ep, use_tqdm=False)
+        outs += [r.outputs[0] for r in got]
+    return outs, time.perf_counter() - start
+
+
+def _score(cell: Cell, w: Workload, outs: list[CompletionOutput], num_layers: int) -> None:
+    cell.num_requests = len(outs)
+    cell.output_tokens = sum(len(c.token_ids) for c in outs)
+    cell.valid_rate = sum(w.valid(c.text) for c in outs) / len(outs)
+    cell.accuracy = statistics.mean(
+        field_agreement(w.fields(c.text), t) for c, t in zip(outs, w.truth)
+    )
+    chosen = [e for c in outs for e, f in zip(c.exit_layers, c.forced) if not f]
+    cell.forced_tokens = sum(sum(c.forced) for c in outs)
+    cell.exited_tokens = sum(e < num_layers for e in chosen)
+    cell.mean_exit_layer = statistics.mean(chosen) if chosen else float(num_layers)
+
+
+def _agreement(cell: Cell, w: Workload, outs: list[CompletionOutput], ref: list[Any]) -> None:
+    cell.token_agreement = statistics.mean(
+        token_agreement(c.token_ids, r.token_ids) for c, r in zip(outs, ref)
+    )
+    cell.field_agreement = statistics.mean(
+        field_agreement(w.fields(c.text), w.fields(r.text)) for c, r in zip(outs, ref)
+    )
+
+
+def run_structured(args: argparse.Namespace) -> int:
+    modes = [Mode(m) for m in args.modes.split(",")]
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    most = max(max(batches), args.min_prompts)
+    workloads = [
+        w for w in (extraction(most), classification(most)) if w.name in args.workloads.split(",")
+    ]
+    llm = LLM(args.model)
+    # Full depth under the constraint, every token its own pass: jump-forward off.
+    plain = LLM(args.model, jump_forward=False) if Mode.CONSTRAINED in modes else llm
+    engines = {m: plain if m is Mode.CONSTRAINED else llm for m in modes}
+    num_layers = llm.engine.model_config.num_layers
+    cells: dict[tuple[str, int, Mode], Cell] = {}
+    outputs: dict[tuple[str, int, Mode], list[CompletionOutput]] = {}
+    for w in workloads:  # warm-up: kernels, grammars, first-call costs
+        for m in modes:
+            _generate(engines[m], w, m, 1, 1, args)
+    for r in range(args.rounds):
+        order = modes[r % len(modes) :] + modes[: r % len(modes)]
+        for w in workloads:
+            for b in batches:
+                n = max(b, args.min_prompts)
+                for m in order:
+                    outs, dt = _generate(engines[m], w, m, b, n, args)
+                    cell = cells.setdefault((w.name, b, m), Cell(workload=w.name, batch=b, mode=m))
+                    cell.tokens_per_s.append(sum(len(c.token_ids) for c in outs) / dt)
+                    outputs[(w.name, b, m)] = outs
+                    _score(cell, w, outs, num_layers)
+    for (name, b, m), cell in cells.items():
+        ref = outputs.get((name, b, Mode.CONSTRAINED))
+        w = next(w for w in workloads if w.name == name)
+        if ref is not None and m is not Mode.CONSTRAINED:
+            _agreement(cell, w, outputs[(name, b, m)], ref)
+    _write(args, [cells[k] for k in sorted(cells, key=lambda k: (k[0], k[1], modes.index(k[2])))])
+    return 0
+
+
+def _write(args: argparse.Namespace, cells: list[Cell]) -> None:
+    rows = []
+    for c in cells:
+        row = asdict(c)
+        row["median_tokens_per_s"] = statistics.median(c.tokens_per_s)
+        rows.append(row)
+    result = {"provenance": provenance(), "model": args.model, "rounds": args.rounds, "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(summary(rows))
+    print(f"wrote {out}")
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """One line per cell, with its speed against ``constrained`` at the same batch."""
+    base = {(r["workload"], r["batch"]): r["median_tokens_per_s"] for r in rows
+            if r["mode"] == Mode.CONSTRAINED}  # fmt: skip
+    lines = []
+    for r in rows:
+        ref = base.get((r["workload"], r["batch"]))
+        ratio = f"{r['median_tokens_per_s'] / ref:5.2f}x" if ref else "     "
+        agree = r["token_agreement"]
+        lines.append(
+            f"{r['workload']:<14} b{r['batch']:<3} {r['mode']:<12} "
+            f"{r['median_tokens_per_s']:7.1f} tok/s {ratio}  valid {r['valid_rate']:.2f}  "
+            f"acc {r['accuracy']:.2f}  forced {r['forced_tokens']:4d}  "
+            f"exited {r['exited_tokens']:4d}  exit {r['mean_exit_layer']:5.1f}  "
+            f"agree {'-' if agree is None else f'{agree:.3f}'}"
+        )
+    return "\n".join(lines)
+
+
+def add_structured_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "structured", help="structured outputs: constrained decoding's cost and exits under it"
+    )
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--workloads", default="extraction,classification")
+    p.add_argument("--modes", default=",".join(m.value for m in Mode))
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--min-prompts", type=int, default=8, help="prompts per batch size at least")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=2, help="alternated rounds (median speed)")
+    p.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=None,
+        help="the exits mode's threshold (default: the model's exit config)",
+    )
+    p.add_argument("--out", default="bench/results/structured/structured.json")
+    p.set_defaults(func=run_structured)
