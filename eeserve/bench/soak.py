@@ -10,7 +10,11 @@ capacity, whatever the server answers) for ``--duration`` seconds (one value, or
 waits until every request has ended and the server is idle, and samples the server meanwhile
 (``soak_sample``). The mix: ``--long-share`` of ~1.5k-token prompts (``--long-chars``), the rest
 short; ``--stream-share`` streamed; ``--disconnect-share`` of clients that hang up early on
-purpose; every request asks for ``--max-tokens`` tokens (ignore_eos). It writes
+purpose; ``--chat-share`` sent as chat requests; every request asks for ``--max-tokens`` tokens
+(ignore_eos). With ``--burst N`` each load level also sends N requests at once every
+``--burst-every`` seconds (``soak_burst``; a load of 0 sends the bursts alone, and a run whose
+loads are all 0 measures no capacity), and the JSON holds a record per burst and the bursts'
+checks. ``/health`` is probed throughout (``soak_sample.HealthProbe``). It writes
 ``<out-dir>/<label>.json`` (``provenance``: commit, date, machine, the exact command; capacity; the
 server's admission limits; per-interval records; per-load summaries; the checks of
 ``soak_report.checks``) and ``<label>.png`` (``soak_plots``), prints the summaries
@@ -29,14 +33,16 @@ import os
 import random
 import time
 from contextlib import suppress
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from eeserve.bench.arrivals import long_prompt_texts
-from eeserve.bench.soak_capacity import measure_capacity
+from eeserve.bench.soak_burst import Burst, burst_checks, burst_record, bursts, format_bursts
+from eeserve.bench.soak_capacity import given_capacity, measure_capacity
+from eeserve.bench.soak_http import LeanClient
 from eeserve.bench.soak_load import Mix, Outcome, open_loop, send, status_counts
 from eeserve.bench.soak_plots import plot_soak
 from eeserve.bench.soak_report import (
@@ -44,9 +50,10 @@ from eeserve.bench.soak_report import (
     checks,
     format_summaries,
     intervals,
+    service_alone,
     summarize_phase,
 )
-from eeserve.bench.soak_sample import LoopLag, Sampler, read_limits, realtime
+from eeserve.bench.soak_sample import HealthProbe, LoopLag, Sampler, read_limits, realtime
 from eeserve.bench.soak_server import soak_server
 from eeserve.tuning.prompts import prompt_texts
 from eeserve.tuning.provenance import provenance
@@ -107,10 +114,28 @@ def add_soak_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=60.0, help="seconds per record")
     p.add_argument("--sample-every", type=float, default=5.0, help="seconds between samples")
     p.add_argument("--seed", type=int, default=0)
+    _add_burst_args(p)
     p.add_argument("--out-dir", default="bench/results/soak")
     p.add_argument("--label", default=None, help="file name stem (default: from the options)")
     p.set_defaults(func=run_soak)
     return p
+
+
+def _add_burst_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--chat-share",
+        type=float,
+        default=0.0,
+        help="the share of requests sent to /v1/chat/completions (the prompt as one user message)",
+    )
+    p.add_argument(
+        "--burst",
+        type=int,
+        default=0,
+        help="also send N requests at once every --burst-every seconds at each load level "
+        "(a load of 0: the bursts alone); per burst, the time to each 429 and first token",
+    )
+    p.add_argument("--burst-every", type=float, default=5.0, help="seconds between bursts")
 
 
 def _share(text: str) -> float:
@@ -121,13 +146,17 @@ def _share(text: str) -> float:
 
 
 def run_soak(args: argparse.Namespace) -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per /metrics sample
     loads = [float(x) for x in args.loads.split(",")]
     durations = [float(x) for x in args.duration.split(",")]
     if len(durations) == 1:
         durations *= len(loads)
     if len(durations) != len(loads):
         raise ValueError("--duration takes one value or one per load")
+    if min(loads) < 0 or args.burst < 0 or not args.burst_every > 0:
+        raise ValueError("--loads and --burst must be >= 0 and --burst-every > 0")
+    if max(loads) == 0 and not args.burst:
+        raise ValueError("every load is 0 and there is no --burst: nothing to send")
     rt = args.client_priority == "realtime"
     with soak_server(args) as (base, pid), realtime(rt) as priority:
         print(f"client priority: {priority}", flush=True)
@@ -149,6 +178,8 @@ def run_soak(args: argparse.Namespace) -> int:
     path.write_text(json.dumps(result, indent=1))
     plot_soak(result, out_dir / f"{label}.png")
     print(format_summaries(result))
+    if result["bursts"]:
+        print(format_bursts(result["bursts"]))
     print(f"wrote {path} and {label}.png")
     bad = any(s["failed"] or s["hung"] for s in result["summaries"])
     return 1 if bad or not result["checks"]["server_up_at_end"] else 0
@@ -166,71 +197,102 @@ async def _soak(
 ) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     hard = args.request_timeout + 120  # past the server's own limit: the request hangs
-    pool = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    client = httpx.AsyncClient(base_url=base, headers=headers, timeout=hard, limits=pool)
+    client = httpx.AsyncClient(base_url=base, headers=headers, timeout=hard)  # /metrics only
     async with client:
         mix = _mix(args)
         t0 = time.perf_counter()
         sampler = Sampler(client, pid, t0)
-        lag = LoopLag(t0)
-        lag_task = asyncio.create_task(lag.run())
+        load = LeanClient(base, headers)  # after the sampler's fork: no socket of its inherited
+        run = _Watch(sampler, LoopLag(t0), HealthProbe(base, t0))
+        tasks = [asyncio.create_task(run.lag.run()), asyncio.create_task(run.health.run())]
         for warm in (mix.draw(disconnects=False) for _ in range(2)):
-            await send(client, warm, t0, hard)
+            await send(load, warm, t0, hard)
+        alone = {k: await send(load, mix.alone(k == "long"), t0, hard) for k in ("short", "long")}
         limits = read_limits((await client.get("/metrics")).text)
-        cap = await measure_capacity(args, client, mix, t0, hard)
-        sampler_task = asyncio.create_task(sampler.run(args.sample_every))
+        needed = max(loads) > 0
+        cap = await measure_capacity(args, load, mix, t0, hard) if needed else given_capacity(None)
+        tasks.append(asyncio.create_task(sampler.run(args.sample_every)))
         levels = list(zip(loads, durations))
-        phases, outcomes = await _phases(
-            client, mix, sampler, cap["requests_per_s"], levels, t0, hard
+        phases, outcomes, burst_list = await _phases(
+            load, mix, args, run, cap["requests_per_s"] or 0.0, levels, t0, hard
         )
-        for task in (sampler_task, lag_task):
+        for task in tasks:
             task.cancel()
             with suppress(asyncio.CancelledError):
                 await task
+        await load.aclose()
         up = await _healthy(client)
     warmup = min(args.interval, 0.2 * min(durations))
     summaries = [
-        summarize_phase(p, outs, sampler.samples, lag.samples, warmup)
+        summarize_phase(p, outs, sampler.samples, run.lag.samples, run.health.samples, warmup)
         for p, outs in zip(phases, outcomes)
     ]
     every = [o for outs in outcomes for o in outs]
+    records = [
+        burst_record(b, run.lag.samples, run.health.samples, args.burst_every) for b in burst_list
+    ]
     return {
         "provenance": _provenance(),
         "config": {**_config(args), "interval_s": args.interval, "warmup_s": warmup},
         "admission_limits": limits,
         "capacity": cap,
+        "alone": {k: service_alone(o) for k, o in alone.items()},
         "phases": [asdict(p) for p in phases],
         "summaries": summaries,
-        "checks": checks(summaries, up),
-        "intervals": intervals(every, sampler.samples, lag.samples, phases, args.interval),
+        "checks": {
+            **checks(summaries, up, limits.get("queue_seconds"), alone["long"]),
+            **burst_checks(records, [p.idle_kv_blocks for p in phases]),
+        },
+        "bursts": records,
+        "intervals": intervals(
+            every, sampler.samples, run.lag.samples, run.health.samples, phases, args.interval
+        ),
         "samples": [asdict(s) for s in sampler.samples],
     }
 
 
+@dataclass
+class _Watch:
+    """What watches a run besides its requests: the server's gauges, the client's own loop lag
+    and ``/health``."""
+
+    sampler: Sampler
+    lag: LoopLag
+    health: HealthProbe
+
+
 async def _phases(
-    client: httpx.AsyncClient,
+    client: LeanClient,
     mix: Mix,
-    sampler: Sampler,
+    args: argparse.Namespace,
+    run: _Watch,
     capacity: float,
     levels: list[tuple[float, float]],
     t0: float,
-    hard_timeout: float,
-) -> tuple[list[Phase], list[list[Outcome]]]:
+    hard: float,
+) -> tuple[list[Phase], list[list[Outcome]], list[Burst]]:
     """Each (load, duration) level in turn: the mix open-loop at load x ``capacity`` for its
-    duration, then until every request has ended and the server is idle. The phases and each
-    one's outcomes."""
+    duration, and ``--burst`` requests at once every ``--burst-every`` seconds, then until every
+    request has ended and the server is idle. The phases, each one's outcomes (its bursts'
+    included), and every burst."""
     phases: list[Phase] = []
     outcomes: list[list[Outcome]] = []
+    every_burst: list[Burst] = []
     for load, duration in levels:
         start = time.perf_counter() - t0
-        outs = await open_loop(client, mix, load * capacity, duration, t0, hard_timeout)
+        outs, sent = await asyncio.gather(
+            open_loop(client, mix, load * capacity, duration, t0, hard),
+            bursts(client, mix, args.burst, args.burst_every, duration, t0, hard),
+        )
         phase = Phase(load, load * capacity, start, start + duration)
-        idle = await sampler.until_idle(60)
+        idle = await run.sampler.until_idle(60)
         phase.drained_at, phase.idle_kv_blocks = idle.t, idle.kv_blocks_used
         phases.append(phase)
+        outs += [o for b in sent for o in b.outcomes]
         outcomes.append(outs)
-        print(f"load {load:g}x: {status_counts(outs)}", flush=True)
-    return phases, outcomes
+        every_burst += sent
+        print(f"load {load:g}x, {len(sent)} bursts: {status_counts(outs)}", flush=True)
+    return phases, outcomes, every_burst
 
 
 def _mix(args: argparse.Namespace) -> Mix:
@@ -247,6 +309,7 @@ def _mix(args: argparse.Namespace) -> Mix:
         disconnect_share=args.disconnect_share,
         early_exit=early_exit,
         rng=random.Random(args.seed),
+        chat_share=args.chat_share,
     )
 
 

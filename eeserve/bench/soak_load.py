@@ -1,17 +1,17 @@
 """The soak benchmark's clients: one request and its outcome, the open and closed loops.
 
-Contract: ``Mix`` draws request bodies (short or ~1.5k-token prompts, streaming or not, a share
-of clients that disconnect on purpose), each behind a first line of its own so that no request is
-served from another's prefix cache. ``send(client, req, t0, hard_timeout)`` runs one and returns
-its ``Outcome``: ``completed``, ``rejected`` (429, with its latency, ``Retry-After`` and who
-answered it: the engine's admission control, whose body is an OpenAI error naming the limit, or
-Ray's proxy), ``deadline`` (504 or a stream's ``deadline_exceeded`` event), ``disconnected``
-(planned), ``failed`` (any other answer) or ``hung`` (no answer within ``hard_timeout``);
-``status_counts`` tallies outcomes by status. ``open_loop`` starts requests at Poisson arrival
-times at a given rate for a given time and, once that time has passed, waits for them all;
-``closed_loop`` keeps ``concurrency`` requests in flight for a given time (``soak_capacity``'s
-measurement). Sampling the server meanwhile is ``soak_sample``'s job. Times are
-``time.perf_counter()`` seconds since the run's ``t0``.
+Contract: ``Mix`` draws request bodies (short or ~1.5k-token prompts, streaming or not, a share of
+clients that disconnect on purpose, a share sent to ``/v1/chat/completions`` as one user message
+instead of to ``/v1/completions``), each behind a first line of its own so that no request is served
+from another's prefix cache. ``send(client, req, t0, hard_timeout)`` runs one and returns its
+``Outcome``: ``completed``, ``rejected`` (429, with its latency, ``Retry-After`` and who answered
+it: the engine's admission control, whose body is an OpenAI error naming the limit, or Ray's proxy),
+``deadline`` (504 or a stream's ``deadline_exceeded`` event), ``disconnected`` (planned), ``failed``
+(any other answer) or ``hung`` (no answer within ``hard_timeout``); ``status_counts`` tallies
+outcomes by status. ``open_loop`` starts requests at Poisson arrival times at a given rate for a
+given time and, once that time has passed, waits for them all; ``closed_loop`` keeps ``concurrency``
+requests in flight for a given time (``soak_capacity``'s measurement). Sampling the server meanwhile
+is ``soak_sample``'s job. Times are ``time.perf_counter()`` seconds since the run's ``t0``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ from typing import Any
 
 import httpx
 
+from eeserve.bench.soak_http import HTTPFailure, LeanClient, LeanResponse
+
+# The soak sends its load with ``LeanClient``; ``httpx.AsyncClient`` drives the same code (tests).
+LoadClient = httpx.AsyncClient | LeanClient
 STATUSES = ("completed", "rejected", "deadline", "disconnected", "failed", "hung")
 
 
@@ -32,6 +36,7 @@ STATUSES = ("completed", "rejected", "deadline", "disconnected", "failed", "hung
 class Request:
     body: dict[str, Any]
     kind: str  # "short" | "long"
+    path: str = "/v1/completions"
     disconnect_after: int | None = None  # streaming: tokens read before hanging up
     disconnect_at: float | None = None  # whole response: seconds before hanging up
 
@@ -49,7 +54,7 @@ class Outcome:
     reject_latency: float | None = None  # a 429: seconds to its response headers
     retry_after: int | None = None
     rejected_by: str | None = None  # a 429: "engine" (admission control) or "proxy" (Ray's)
-    rejected_limit: str | None = None  # the engine's 429: "requests" or "tokens" (which limit)
+    rejected_limit: str | None = None  # the engine's 429: "requests", "tokens", "queue_seconds"
     error: str | None = None
 
 
@@ -73,23 +78,16 @@ class Mix:
     early_exit: dict[str, Any] | None
     rng: random.Random
     count: int = 0
+    chat_share: float = 0.0
 
     def draw(self, disconnects: bool = True) -> Request:
         self.count += 1
         long = self.rng.random() < self.long_share
         pool = self.long_prompts if long else self.short_prompts
         stream = self.rng.random() < self.stream_share
-        body: dict[str, Any] = {
-            "model": self.model,
-            "prompt": f"Request {self.count}.\n{self.rng.choice(pool)}",
-            "max_tokens": self.max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": stream,
-        }
-        if self.early_exit is not None:
-            body["early_exit"] = self.early_exit
-        req = Request(body, "long" if long else "short")
+        # Drawn only when asked for: runs without chat requests keep their earlier draws.
+        chat = self.chat_share > 0 and self.rng.random() < self.chat_share
+        req = self._request(self.rng.choice(pool), long, stream, chat)
         if disconnects and self.rng.random() < self.disconnect_share:
             if stream:
                 req.disconnect_after = self.rng.randint(1, max(1, self.max_tokens // 2))
@@ -97,8 +95,32 @@ class Mix:
                 req.disconnect_at = self.rng.uniform(0.05, 2.0)
         return req
 
+    def alone(self, long: bool) -> Request:
+        """A streamed completion of the first long (or short) prompt, to time one request served
+        alone; it draws nothing from ``rng``."""
+        self.count += 1
+        return self._request((self.long_prompts if long else self.short_prompts)[0], long, True)
 
-async def send(client: httpx.AsyncClient, req: Request, t0: float, hard_timeout: float) -> Outcome:
+    def _request(self, prompt: str, long: bool, stream: bool, chat: bool = False) -> Request:
+        text = f"Request {self.count}.\n{prompt}"
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+        if chat:
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
+        if self.early_exit is not None:
+            body["early_exit"] = self.early_exit
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        return Request(body, "long" if long else "short", path)
+
+
+async def send(client: LoadClient, req: Request, t0: float, hard_timeout: float) -> Outcome:
     out = Outcome(req.kind, bool(req.body["stream"]), time.perf_counter() - t0)
     try:
         if req.disconnect_at is not None:
@@ -110,15 +132,15 @@ async def send(client: httpx.AsyncClient, req: Request, t0: float, hard_timeout:
             await asyncio.wait_for(_run(client, req, out, t0), hard_timeout)
     except asyncio.TimeoutError:
         out.status, out.error = "hung", f"no answer within {hard_timeout:g} s"
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, HTTPFailure) as e:
         out.status, out.error = "failed", f"{type(e).__name__}: {e}"
     out.ended = time.perf_counter() - t0
     return out
 
 
-async def _run(client: httpx.AsyncClient, req: Request, out: Outcome, t0: float) -> None:
+async def _run(client: LoadClient, req: Request, out: Outcome, t0: float) -> None:
     start = time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=req.body) as r:
+    async with client.stream("POST", req.path, json=req.body) as r:
         headers_at = time.perf_counter()
         out.http_status = r.status_code
         if r.status_code != 200:
@@ -141,7 +163,7 @@ async def _run(client: httpx.AsyncClient, req: Request, out: Outcome, t0: float)
                 out.status = "deadline" if code == "deadline_exceeded" else "failed"
                 out.error = str(obj["error"].get("message"))
                 return
-            if any(c.get("text") or c.get("exit_tokens") for c in obj.get("choices", [])):
+            if any(_has_tokens(c) for c in obj.get("choices", [])):
                 now = time.perf_counter()
                 if out.ttft is None:
                     out.ttft = now - start
@@ -154,6 +176,13 @@ async def _run(client: httpx.AsyncClient, req: Request, out: Outcome, t0: float)
         out.status = "completed"
 
 
+def _has_tokens(choice: dict[str, Any]) -> bool:
+    """A stream chunk's choice carries generated tokens (completion text, chat content, or the
+    per-token ``exit_tokens`` sent ahead of text held back for stop strings)."""
+    delta = choice.get("delta") or {}
+    return bool(choice.get("text") or delta.get("content") or choice.get("exit_tokens"))
+
+
 def _error_type(text: str) -> str | None:
     """An OpenAI error body's ``error.type`` (admission control: the limit that refused)."""
     try:
@@ -164,12 +193,12 @@ def _error_type(text: str) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
-def _refusal(out: Outcome, r: httpx.Response, text: str, latency: float) -> None:
+def _refusal(out: Outcome, r: httpx.Response | LeanResponse, text: str, latency: float) -> None:
     out.error = f"HTTP {r.status_code}: {text[:200]}"
     if r.status_code == 429:
         out.status = "rejected"
         out.reject_latency = latency
-        retry = r.headers.get("Retry-After")
+        retry = r.headers.get("retry-after")
         out.retry_after = int(retry) if retry and retry.isdigit() else None
         out.rejected_by = "engine" if text.lstrip().startswith("{") else "proxy"
         out.rejected_limit = _error_type(text) if out.rejected_by == "engine" else None
@@ -180,7 +209,7 @@ def _refusal(out: Outcome, r: httpx.Response, text: str, latency: float) -> None
 
 
 async def open_loop(
-    client: httpx.AsyncClient,
+    client: LoadClient,
     mix: Mix,
     rate: float,
     duration: float,
@@ -188,7 +217,11 @@ async def open_loop(
     hard_timeout: float,
 ) -> list[Outcome]:
     """Requests at Poisson arrival times (``rate`` a second) for ``duration`` seconds, whatever
-    the server answers (open loop); returns every outcome once the last has ended."""
+    the server answers (open loop); returns every outcome once the last has ended. A rate of 0
+    sends nothing and returns once ``duration`` has passed."""
+    if rate <= 0:
+        await asyncio.sleep(duration)
+        return []
     begin = time.perf_counter()
     tasks: list[asyncio.Task[Outcome]] = []
     at = mix.rng.expovariate(rate)
@@ -201,7 +234,7 @@ async def open_loop(
 
 
 async def closed_loop(
-    client: httpx.AsyncClient,
+    client: LoadClient,
     mix: Mix,
     concurrency: int,
     duration: float,

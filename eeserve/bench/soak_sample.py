@@ -1,16 +1,17 @@
 """The soak benchmark's view of the server and of itself: sampling, and the client's loop lag.
 
-Contract: ``Sampler`` reads, every few seconds, the RSS of the server's process tree from
-``/proc``, the KV-block and queue gauges from ``/metrics`` (summed over replicas;
-``read_sampled`` parses the ``SAMPLED`` families only) and the server's own histogram of how
-long its 429s took (``eeserve_rejection_seconds``, cumulative counts by bucket, summed over
-replicas: ``read_histogram``), all in a forked process of its own (``read_server``), so that the
-client's event loop never waits for that work. ``read_gauges`` and ``read_limits`` read a
-``/metrics`` page; ``renice`` lowers the priority of every thread of a process; ``realtime``
-raises the client's loop above every normal process while the load runs. ``LoopLag``
-records how late the client's own event loop wakes from a short sleep: every latency the client
-measures includes that lag, so the records carry it beside them. Times are
-``time.perf_counter()`` seconds since the run's ``t0``.
+Contract: ``Sampler`` reads, every few seconds, the RSS of the server's process tree from ``/proc``,
+the KV-block and queue gauges from ``/metrics`` (summed over replicas; ``read_sampled`` parses the
+``SAMPLED`` families only) and the server's own histogram of how long its 429s took
+(``eeserve_rejection_seconds``, cumulative counts by bucket, summed over replicas:
+``read_histogram``), all in a forked process of its own (``read_server``), so that the client's
+event loop never waits for that work. ``read_gauges`` and ``read_limits`` read a ``/metrics`` page;
+``renice`` lowers the priority of every thread of a process; ``realtime`` raises the client's loop
+above every normal process while the load runs. ``LoopLag`` records how late the client's own event
+loop wakes from a short sleep: every latency the client measures includes that lag, so the records
+carry it beside them. ``HealthProbe`` asks ``/health`` every few tens of ms on a connection of its
+own and records how long each answer took (None: no answer within its timeout, or not 200): what a
+load balancer's health check sees. Times are ``time.perf_counter()`` seconds since the run's ``t0``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from eeserve.bench.soak_http import HTTPFailure, LeanClient
 
 REJECTION_HISTOGRAM = "eeserve_rejection_seconds"  # server.metrics: 429s, arrival to headers
 # The metric families a sample reads. A replicas' page holds far more (every histogram, once per
@@ -269,6 +272,36 @@ class LoopLag:
             await asyncio.sleep(self.period)
             now = time.perf_counter()
             self.samples.append((due - self.t0, max(0.0, now - due)))
+
+
+class HealthProbe:
+    """``GET /health`` every ``period`` seconds on a ``LeanClient`` (and connection) of its own, as
+    ``(t, seconds to the answer or None)`` pairs; None: no 200 within ``timeout`` seconds."""
+
+    def __init__(self, base: str, t0: float, period: float = 0.05, timeout: float = 5.0) -> None:
+        self.client = LeanClient(base)
+        self.t0 = t0
+        self.period = period
+        self.timeout = timeout
+        self.samples: list[tuple[float, float | None]] = []
+
+    async def run(self) -> None:
+        try:
+            while True:
+                start = time.perf_counter()
+                took: float | None = None
+                with suppress(HTTPFailure, asyncio.TimeoutError):
+                    if await asyncio.wait_for(self._ask(), self.timeout) == 200:
+                        took = time.perf_counter() - start
+                self.samples.append((start - self.t0, took))
+                await asyncio.sleep(max(0.0, start + self.period - time.perf_counter()))
+        finally:
+            await self.client.aclose()
+
+    async def _ask(self) -> int:
+        async with self.client.stream("GET", "/health") as r:
+            await r.aread()
+            return r.status_code
 
 
 def _total(values: list[float | None]) -> float | None:
