@@ -27,8 +27,12 @@ from eeserve.engine.llm_engine import LLMEngine
 from eeserve.sampling_params import SamplingParams
 from eeserve.server import main
 from eeserve.server.admission import (
+    DEFAULT_MAX_QUEUE_SECONDS,
     Admission,
     AdmissionLimits,
+    Cost,
+    Estimate,
+    Limit,
     Overloaded,
     ServingLimits,
     resolve_limits,
@@ -38,6 +42,7 @@ from eeserve.server.engine_loop import EngineLoop
 from eeserve.server.engine_requests import ChoiceSpec
 from eeserve.server.generation import DeadlineExceeded
 from eeserve.server.metrics import ServerMetrics
+from eeserve.server.throughput import Capacity
 from tests.live_server import Server
 from tests.tiny_model import build_tiny_model
 
@@ -48,47 +53,69 @@ LONG = 480  # tokens: hundreds of engine steps, far longer than any deadline bel
 # -- the accounting ------------------------------------------------------------------------------
 
 
+def _admission(waiting: int, tokens: int, seconds: float = math.inf, **kw: Any) -> Admission:
+    limits = AdmissionLimits(waiting, tokens, seconds)
+    return Admission(limits, Capacity(slots=64, pool_tokens=10**6), **kw)
+
+
+def _admit(adm: Admission, *costs: Cost) -> None:
+    adm.settle(adm.reserve(Estimate.exact(list(costs))), list(costs))
+
+
 def test_admission_limits_and_release() -> None:
-    adm = Admission(AdmissionLimits(max_waiting_requests=3, max_queued_tokens=100))
-    adm.admit([500])  # nothing waits: admitted whatever it costs
+    adm = _admission(3, 100)
+    _admit(adm, Cost(400, 100))  # nothing waits: admitted whatever it costs
     with pytest.raises(Overloaded) as e:
-        adm.admit([1])
-    assert e.value.limit == "queued_tokens" and e.value.retry_after >= 1
-    adm.released(500)
-    adm.admit([40, 40])
+        _admit(adm, Cost(1, 1))
+    assert e.value.limit == Limit.QUEUED_TOKENS and e.value.retry_after >= 1
+    adm.released(Cost(400, 100))
+    _admit(adm, Cost(30, 10), Cost(30, 10))
     with pytest.raises(Overloaded) as e:
-        adm.admit([30])
-    assert e.value.limit == "queued_tokens"
-    adm.admit([10])
+        _admit(adm, Cost(20, 10))
+    assert e.value.limit == Limit.QUEUED_TOKENS
+    _admit(adm, Cost(5, 5))
     with pytest.raises(Overloaded) as e:
-        adm.admit([1])
-    assert e.value.limit == "waiting_requests" and "3 requests wait" in str(e.value)
-    for cost in (40, 40, 10):
+        _admit(adm, Cost(1, 1))
+    assert e.value.limit == Limit.WAITING_REQUESTS and "3 requests wait" in str(e.value)
+    assert adm.refusal_for_any() is not None  # no request at all fits: refused unread
+    for cost in (Cost(30, 10), Cost(30, 10), Cost(5, 5)):
         adm.started(cost)
-    assert adm.waiting_requests == adm.queued_tokens == 0
-    adm.admit([1, 1, 1])
+    assert adm.waiting_requests == adm.queued_tokens == 0 and adm.running_requests == 3
+    _admit(adm, Cost(1, 1), Cost(1, 1), Cost(1, 1))
+    for cost in (Cost(30, 10), Cost(30, 10), Cost(5, 5)):
+        adm.finished(cost, 10)
+    assert adm.running_requests == 0 and adm.running == Cost(0, 0)
 
 
-def test_retry_after_follows_the_start_rate(monkeypatch: pytest.MonkeyPatch) -> None:
-    from eeserve.server import admission as mod
-
-    now = [1000.0]
-    monkeypatch.setattr(mod.time, "monotonic", lambda: now[0])
-    adm = Admission(AdmissionLimits(max_waiting_requests=100, max_queued_tokens=10**6))
-    assert adm.retry_after() == 1  # no rate known yet
-    adm.admit([1] * 50)
-    for _ in range(10):  # 10 starts over 10 s: 1 a second
-        now[0] += 1.0
-        adm.started(1)
-    assert adm.retry_after() == 40  # 40 still wait
-    now[0] += 100  # the starts are stale
-    assert adm.retry_after() == 1
-    for _ in range(40):
-        adm.started(1)
-    adm.admit([1] * 100)
-    with pytest.raises(Overloaded) as e:
-        adm.admit([1])
-    assert 1 <= e.value.retry_after <= mod.MAX_RETRY_AFTER_S
+def test_reservations_count_before_tokenizing_and_near_the_limit_exactly() -> None:
+    """A reservation holds the most a request can cost while it is tokenized; near a limit it
+    holds the least and the exact cost decides; a bound the exact cost breaks is checked too."""
+    adm = _admission(10, 100)
+    first = adm.reserve(Estimate(choices=1, low=Cost(1, 10), high=Cost(60, 10)))
+    assert not first.exact and adm.waiting_requests == 1 and adm.queued_tokens == 70
+    # 70 + 40 would pass the token limit: held at its least, checked exactly once tokenized.
+    near = adm.reserve(Estimate(choices=1, low=Cost(1, 10), high=Cost(30, 10)))
+    assert near.exact and adm.queued_tokens == 81
+    adm.settle(first, [Cost(50, 10)])  # the exact cost replaces the bound
+    assert adm.queued_tokens == 71
+    with pytest.raises(Overloaded) as e:  # 60 + 41 > 100: refused after tokenizing
+        adm.settle(near, [Cost(31, 10)])
+    assert e.value.limit == Limit.QUEUED_TOKENS and adm.queued_tokens == 60
+    again = adm.reserve(Estimate(choices=1, low=Cost(1, 10), high=Cost(20, 10)))
+    adm.settle(again, [Cost(20, 10)])
+    assert adm.queued_tokens == 90 and adm.waiting_requests == 2
+    with pytest.raises(ValueError, match="settled or released"):
+        adm.settle(again, [Cost(20, 10)])
+    # Released unsettled (a 400 while tokenizing): nothing is left held.
+    late = adm.reserve(Estimate(choices=1, low=Cost(1, 1), high=Cost(5, 5)))
+    late.release()
+    late.release()
+    assert adm.queued_tokens == 90 and adm.waiting_requests == 2
+    # A cost above its bound (a tokenizer that breaks it) is checked like one near the limit.
+    bent = adm.reserve(Estimate(choices=1, low=Cost(1, 1), high=Cost(2, 1)))
+    with pytest.raises(Overloaded):
+        adm.settle(bent, [Cost(40, 1)])
+    assert adm.queued_tokens == 90
 
 
 def test_limits_default_to_the_engine_and_reject_nonsense(tiny_model_dir: Path) -> None:
@@ -97,7 +124,10 @@ def test_limits_default_to_the_engine_and_reject_nonsense(tiny_model_dir: Path) 
     bm = engine.block_manager
     assert got.max_waiting_requests == engine.config.max_num_seqs
     assert got.max_queued_tokens == bm.num_blocks * bm.block_size
-    assert resolve_limits(ServingLimits(7, 99), engine) == AdmissionLimits(7, 99)
+    assert got.max_queue_seconds == DEFAULT_MAX_QUEUE_SECONDS
+    assert resolve_limits(ServingLimits(7, 99), engine) == AdmissionLimits(7, 99, 20.0)
+    unbounded = resolve_limits(ServingLimits(max_queue_seconds=math.inf), engine)
+    assert unbounded.max_queue_seconds == math.inf
     for bad in (dict(max_waiting_requests=0), dict(max_queued_tokens=-1)):
         with pytest.raises(ValueError, match="must be >= 1"):
             ServingLimits(**bad)
@@ -107,10 +137,14 @@ def test_limits_default_to_the_engine_and_reject_nonsense(tiny_model_dir: Path) 
     for n in (-1, 20):
         with pytest.raises(ValueError, match="engine_nice"):
             ServingLimits(engine_nice=n)
+    for q in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="max_queue_seconds"):
+            ServingLimits(max_queue_seconds=q)
     # The command line refuses them before loading anything.
     assert main([str(tiny_model_dir), "--max-waiting-requests", "0"]) == 2
     assert main([str(tiny_model_dir), "--request-timeout", "-3"]) == 2
     assert main([str(tiny_model_dir), "--engine-nice", "20"]) == 2
+    assert main([str(tiny_model_dir), "--max-queue-seconds", "0"]) == 2
 
 
 # -- the engine loop in-process ------------------------------------------------------------------
@@ -140,6 +174,7 @@ def test_deadline_aborts_and_frees_blocks(tiny_model_dir: Path) -> None:
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.has_unfinished_requests()
     assert loop.admission.waiting_requests == loop.admission.queued_tokens == 0
+    assert loop.admission.running_requests == 0 and loop.admission.running == Cost(0, 0)
 
 
 def test_engine_thread_runs_nicer_than_the_event_loop(tiny_model_dir: Path) -> None:

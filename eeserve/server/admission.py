@@ -1,37 +1,64 @@
-"""Admission control: bounded waiting work, answered at once with 429 beyond it.
+"""Admission control: a queue bounded in requests, tokens and seconds, 429 at once beyond it.
 
 Contract: ``ServingLimits`` holds what the server's flags ask (``None``: derive from the engine);
 ``resolve_limits(limits, engine)`` turns it into ``AdmissionLimits`` with concrete numbers:
 ``max_waiting_requests`` defaults to the engine's ``max_num_seqs`` (one more full batch may wait
-while one runs) and ``max_queued_tokens`` to the KV pool's token capacity (the requests that
-wait hold at most one pool of work: prompt plus requested output tokens each).
+while one runs), ``max_queued_tokens`` to the KV pool's token capacity (the requests that wait hold
+at most one pool of work: prompt plus requested output tokens each), and ``max_queue_seconds`` is
+``DEFAULT_MAX_QUEUE_SECONDS`` unless asked (``inf``: no bound in seconds).
+``engine_capacity(engine)`` is what the engine holds at once (``throughput.Capacity``).
 
-``Admission`` counts the engine requests that are admitted but have not produced their first
-token yet ("waiting": queued on the engine thread or in the scheduler) and their tokens. It is
-used from the event loop's thread only (no lock). ``admit(costs)`` takes a group of requests
-(one cost per choice) or raises ``Overloaded`` naming the limit and a ``retry_after`` in whole
-seconds; a group that finds nothing waiting is always admitted, so that one request larger
-than the token limit is still served, alone. ``started(cost)`` is called when a waiting request
-produces its first output, ``released(cost)`` when it ends before that (abort, error, deadline).
-``retry_after`` estimates how long the current queue takes to start, from the rate at which
-waiting requests started recently (1 s when there is no recent rate; at most 60 s).
+``Admission`` counts engine requests (one per choice), on the event loop's thread only (no lock), in
+three states: reserved (passed the cheap check, being templated and tokenized), waiting (admitted,
+no first token yet) and running (generating). Reserved and waiting requests are the queue. A
+``Cost`` is one engine request's prompt and requested output tokens.
+
+- ``reserve(estimate)`` runs before any templating or tokenizing: with the request's choices and the
+  least its tokens can be (``Estimate.low``) it raises ``Overloaded`` when the queue would pass a
+  limit: more than ``max_waiting_requests`` requests, more than ``max_queued_tokens`` tokens, or, at
+  the throughput measured over the recent past (``rates()``, a ``throughput.ThroughputMeter``'s), a
+  first token later than ``max_queue_seconds`` from now (``throughput.start_delay``). Otherwise it
+  returns a ``Ticket`` that holds the most the request can cost (``Estimate.high``), or, when that
+  would pass a limit (a request near one), the least, marked for an exact check.
+- ``settle(ticket, costs)``, once tokenized, replaces the reservation with the exact costs, checking
+  them against the token and seconds limits first where the ticket is marked or where they exceed
+  what it holds (``Overloaded`` then, and the reservation is given back).
+- ``Ticket.release()`` gives back a reservation that was not settled (a 400, a shutdown); it does
+  nothing after ``settle`` or a release.
+- ``started(cost)`` when a waiting request produces its first output, ``released(cost)`` when it
+  ends before that, ``finished(cost, generated)`` when a running one ends (``generated``: the tokens
+  it generated when it ran to its end, None when it was cut short; the estimate takes the mean of
+  the last ``_FINISHED_WINDOW``).
+
+``refusal_for_any()`` is the ``Overloaded`` of a request that asks for the least there is (one
+prompt token, one output token), or None: while it is not None, no request can be admitted, whatever
+its body says. A request that finds the queue empty is always admitted, so that one larger than the
+token limit is still served, alone. ``Overloaded`` names the limit and a ``retry_after`` in whole
+seconds from the same estimate: how long until the queue ahead has started enough of its requests to
+take this one (1 to ``MAX_RETRY_AFTER_S``; 1 while no rate is measured yet). ``queue_seconds()`` is
+the estimate for a request of no tokens (NaN without rates).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from enum import StrEnum
 
 from eeserve.engine.llm_engine import LLMEngine
+from eeserve.server.throughput import Capacity, Queue, Rates, start_delay
 
-Limit = Literal["waiting_requests", "queued_tokens"]
-LIMITS: tuple[Limit, ...] = ("waiting_requests", "queued_tokens")
 MAX_RETRY_AFTER_S = 60
-_RATE_WINDOW = 32  # recent starts the rate is measured over
-_RATE_MAX_AGE_S = 30.0  # starts older than this say nothing about the queue now
+DEFAULT_MAX_QUEUE_SECONDS = 20.0  # docs/server.md, "Why these defaults"
+_FINISHED_WINDOW = 64  # requests that ran to their end: their mean output is the estimate's
+
+
+class Limit(StrEnum):
+    WAITING_REQUESTS = "waiting_requests"
+    QUEUED_TOKENS = "queued_tokens"
+    QUEUE_SECONDS = "queue_seconds"
 
 
 @dataclass(frozen=True)
@@ -44,6 +71,7 @@ class ServingLimits:
     # The engine thread runs this much nicer than the HTTP threads (0: as nice), so that under
     # load the event loop, and with replicas Ray's plumbing, still get a core for quick answers.
     engine_nice: int = 0
+    max_queue_seconds: float = DEFAULT_MAX_QUEUE_SECONDS  # inf: no bound in seconds
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_queued_tokens"):
@@ -55,21 +83,61 @@ class ServingLimits:
             raise ValueError(f"request_timeout must be a positive number of seconds, got {t}")
         if not 0 <= self.engine_nice <= 19:
             raise ValueError(f"engine_nice must be in [0, 19], got {self.engine_nice}")
+        if not self.max_queue_seconds > 0:  # NaN fails too; inf is no bound
+            raise ValueError(
+                f"max_queue_seconds must be a number of seconds > 0 (inf: no bound), "
+                f"got {self.max_queue_seconds}"
+            )
 
 
 @dataclass(frozen=True)
 class AdmissionLimits:
     max_waiting_requests: int
     max_queued_tokens: int
+    max_queue_seconds: float = math.inf
 
 
 def resolve_limits(limits: ServingLimits, engine: LLMEngine) -> AdmissionLimits:
-    bm = engine.block_manager
-    pool_tokens = bm.num_blocks * bm.block_size
     return AdmissionLimits(
         max_waiting_requests=limits.max_waiting_requests or engine.config.max_num_seqs,
-        max_queued_tokens=limits.max_queued_tokens or pool_tokens,
+        max_queued_tokens=limits.max_queued_tokens or engine_capacity(engine).pool_tokens,
+        max_queue_seconds=limits.max_queue_seconds,
     )
+
+
+def engine_capacity(engine: LLMEngine) -> Capacity:
+    bm = engine.block_manager
+    return Capacity(slots=engine.config.max_num_seqs, pool_tokens=bm.num_blocks * bm.block_size)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One engine request's tokens (or a group's, summed): its prompt and requested output."""
+
+    prompt: int
+    output: int
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt + self.output
+
+
+def total(costs: list[Cost]) -> Cost:
+    return Cost(sum(c.prompt for c in costs), sum(c.output for c in costs))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """What a request may cost, known before it is tokenized: its choices and the least and
+    the most its tokens can be, summed over the choices."""
+
+    choices: int
+    low: Cost
+    high: Cost
+
+    @classmethod
+    def exact(cls, costs: list[Cost]) -> Estimate:
+        return cls(choices=len(costs), low=total(costs), high=total(costs))
 
 
 class Overloaded(RuntimeError):
@@ -81,48 +149,154 @@ class Overloaded(RuntimeError):
         self.retry_after = retry_after
 
 
+class Ticket:
+    """A reservation in the queue: ``choices`` requests holding ``held`` tokens."""
+
+    def __init__(self, admission: Admission, choices: int, held: Cost, exact: bool) -> None:
+        self.admission = admission
+        self.choices = choices
+        self.held = held
+        self.exact = exact  # held is the least the request can cost: check it exactly
+        self.open = True
+
+    def release(self) -> None:
+        if self.open:
+            self.open = False
+            self.admission.take(self.choices, self.held)
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    limit: Limit
+    what: str
+    retry_after: int
+
+
 class Admission:
-    def __init__(self, limits: AdmissionLimits) -> None:
+    def __init__(
+        self,
+        limits: AdmissionLimits,
+        capacity: Capacity,
+        rates: Callable[[], Rates | None] = lambda: None,
+    ) -> None:
         self.limits = limits
-        self.waiting_requests = 0
-        self.queued_tokens = 0
-        self._starts: deque[float] = deque(maxlen=_RATE_WINDOW)
+        self.capacity = capacity
+        self.rates = rates
+        self.waiting_requests = 0  # the queue: reserved and waiting
+        self.queued = Cost(0, 0)
+        self.running_requests = 0
+        self.running = Cost(0, 0)
+        self._generated: deque[int] = deque(maxlen=_FINISHED_WINDOW)
 
-    def admit(self, costs: list[int]) -> None:
-        lim = self.limits
-        if self.waiting_requests > 0:
-            limit: Limit | None = None
-            if self.waiting_requests + len(costs) > lim.max_waiting_requests:
-                limit = "waiting_requests"
-                what = f"{self.waiting_requests} requests wait (limit {lim.max_waiting_requests})"
-            elif self.queued_tokens + sum(costs) > lim.max_queued_tokens:
-                limit = "queued_tokens"
-                what = (
-                    f"waiting requests hold {self.queued_tokens} prompt + output tokens "
-                    f"(limit {lim.max_queued_tokens}); this one asks for {sum(costs)}"
-                )
-            if limit is not None:
-                after = self.retry_after()
-                raise Overloaded(
-                    f"the server is overloaded: {what}; retry after {after} s", limit, after
-                )
-        self.waiting_requests += len(costs)
-        self.queued_tokens += sum(costs)
+    @property
+    def queued_tokens(self) -> int:
+        return self.queued.tokens
 
-    def started(self, cost: int) -> None:
-        self._starts.append(time.monotonic())
-        self.released(cost)
+    def reserve(self, estimate: Estimate) -> Ticket:
+        refusal = self._refusal(estimate.choices, estimate.low)
+        if refusal is not None:
+            raise _overloaded(refusal)
+        near = self._refusal(estimate.choices, estimate.high) is not None
+        held = estimate.low if near else estimate.high
+        self.put(estimate.choices, held)
+        return Ticket(self, estimate.choices, held, near)
 
-    def released(self, cost: int) -> None:
-        self.waiting_requests -= 1
-        self.queued_tokens -= cost
+    def settle(self, ticket: Ticket, costs: list[Cost]) -> None:
+        if not ticket.open:
+            raise ValueError("the ticket was settled or released already")
+        exact, held = total(costs), ticket.held
+        ticket.release()
+        if ticket.exact or exact.prompt > held.prompt or exact.output > held.output:
+            refusal = self._refusal(len(costs), exact)
+            if refusal is not None:
+                raise _overloaded(refusal)
+        self.put(len(costs), exact)
 
-    def retry_after(self) -> int:
-        now = time.monotonic()
-        while self._starts and now - self._starts[0] > _RATE_MAX_AGE_S:
-            self._starts.popleft()
-        if len(self._starts) < 2:
-            return 1
-        span = max(now - self._starts[0], 1e-3)
-        rate = (len(self._starts) - 1) / span  # waiting requests that start per second
-        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(self.waiting_requests / rate)))
+    def started(self, cost: Cost) -> None:
+        self.take(1, cost)
+        self.running_requests += 1
+        self.running = Cost(self.running.prompt + cost.prompt, self.running.output + cost.output)
+
+    def released(self, cost: Cost) -> None:
+        self.take(1, cost)
+
+    def finished(self, cost: Cost, generated: int | None = None) -> None:
+        if generated is not None:
+            self._generated.append(generated)
+        self.running_requests -= 1
+        self.running = Cost(self.running.prompt - cost.prompt, self.running.output - cost.output)
+
+    def put(self, requests: int, cost: Cost) -> None:
+        """Add to the queue (``reserve`` and ``settle`` do; public for ``Ticket``)."""
+        self.waiting_requests += requests
+        self.queued = Cost(self.queued.prompt + cost.prompt, self.queued.output + cost.output)
+
+    def take(self, requests: int, cost: Cost) -> None:
+        """Take out of the queue: the counterpart of ``put``."""
+        self.waiting_requests -= requests
+        self.queued = Cost(self.queued.prompt - cost.prompt, self.queued.output - cost.output)
+
+    def refusal_for_any(self) -> Overloaded | None:
+        """The refusal of any request, whatever it asks: even one engine request of one prompt
+        token and one output token would pass a limit (None: some request could be admitted)."""
+        refusal = self._refusal(1, Cost(1, 1))
+        return None if refusal is None else _overloaded(refusal)
+
+    def queue_seconds(self) -> float:
+        delay = self._delay(0, Cost(0, 0))
+        return math.nan if delay is None else delay
+
+    def _delay(self, choices: int, cost: Cost) -> float | None:
+        """Seconds until a group of ``choices`` costing ``cost`` would start (None: no rates)."""
+        rates = self.rates()
+        if rates is None:
+            return None
+        queue = Queue(
+            running=self.running_requests,
+            waiting=self.waiting_requests,
+            joining=choices,
+            prompt=self.queued.prompt + cost.prompt,
+            tokens=self.running.tokens + self.queued.tokens + cost.tokens,
+            output=self.running.output + self.queued.output + cost.output,
+            generated=sum(self._generated) / len(self._generated) if self._generated else None,
+        )
+        return start_delay(queue, rates, self.capacity)
+
+    def _refusal(self, choices: int, cost: Cost) -> _Refusal | None:
+        """The limit a group of ``choices`` costing ``cost`` would pass, or None."""
+        waiting, lim = self.waiting_requests, self.limits
+        if waiting == 0:
+            return None
+        delay = self._delay(choices, cost)
+        if waiting + choices > lim.max_waiting_requests:
+            share = (waiting + choices - lim.max_waiting_requests) / waiting
+            what = f"{waiting} requests wait (limit {lim.max_waiting_requests})"
+            return _Refusal(Limit.WAITING_REQUESTS, what, _retry(delay, share))
+        queued = self.queued_tokens
+        if queued + cost.tokens > lim.max_queued_tokens:
+            share = (queued + cost.tokens - lim.max_queued_tokens) / max(1, queued)
+            what = (
+                f"waiting requests hold {queued} prompt + output tokens "
+                f"(limit {lim.max_queued_tokens}); this one asks for {cost.tokens}"
+            )
+            return _Refusal(Limit.QUEUED_TOKENS, what, _retry(delay, share))
+        if delay is not None and delay > lim.max_queue_seconds:
+            what = (
+                f"the work queued ahead would start this request in about {delay:.0f} s "
+                f"(limit {lim.max_queue_seconds:g} s)"
+            )
+            return _Refusal(Limit.QUEUE_SECONDS, what, _retry(delay - lim.max_queue_seconds, 1))
+        return None
+
+
+def _retry(seconds: float | None, share: float) -> int:
+    """Whole seconds until ``share`` of a queue that starts in ``seconds`` has started."""
+    if seconds is None:
+        return 1
+    return max(1, min(MAX_RETRY_AFTER_S, math.ceil(seconds * min(1.0, share))))
+
+
+def _overloaded(refusal: _Refusal) -> Overloaded:
+    after = refusal.retry_after
+    message = f"the server is overloaded: {refusal.what}; retry after {after} s"
+    return Overloaded(message, refusal.limit, after)

@@ -1,19 +1,21 @@
 """The FastAPI application: routes, bearer-token auth, OpenAI-style errors, lifespan.
 
 Contract: ``create_app(engine, ...)`` wraps an ``LLMEngine`` (which it then owns: from startup on
-only the app's engine thread touches it) and returns an ASGI app serving
-``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text; ``metrics_view`` may render it otherwise, as replicas do to
-show every replica's), ``GET /v1/eeserve/exit_config`` (the model's exit layers, measures,
-default and calibrated thresholds), the OpenAPI docs at ``/docs`` and, unless ``ui=False``, the
-playground page at ``/`` (``server.ui``). The engine thread starts in the lifespan startup and
-stops at shutdown. With ``api_key`` every path except ``/health`` and the playground's static
-files needs ``Authorization: Bearer <api_key>`` (401 otherwise). Every error, including
-malformed JSON, a missing field, a wrong type and an out-of-range value, is answered with
-``{"error": {"message", "type", "param", "code"}}``; validation problems are 400s whose
-``param`` names the field. ``limits`` (``admission.ServingLimits``) bounds the waiting work
-(429 with ``Retry-After`` beyond it; ``RejectionTimer`` times each 429 from the request's arrival)
-and sets the server-wide time limit of a request.
+only the app's engine thread touches it) and returns an ASGI app serving ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus
+text; ``metrics_view`` may render it otherwise, as replicas do to show every replica's), ``GET
+/v1/eeserve/exit_config`` (the model's exit layers, measures, default and calibrated thresholds),
+the OpenAPI docs at ``/docs`` and, unless ``ui=False``, the playground page at ``/``
+(``server.ui``). The engine thread starts in the lifespan startup and stops at shutdown. With
+``api_key`` every path except ``/health`` and the playground's static files needs ``Authorization:
+Bearer <api_key>`` (401 otherwise). Every error, including malformed JSON, a missing field, a wrong
+type and an out-of-range value, is answered with ``{"error": {"message", "type", "param",
+"code"}}``; validation problems are 400s whose ``param`` names the field. ``limits``
+(``admission.ServingLimits``) bounds the waiting work in requests, tokens and seconds (429 with
+``Retry-After`` beyond it; ``RejectionTimer`` times each 429 from the request's arrival;
+``refusal.EarlyRefusal`` answers it before the body is read while the queue can take no request at
+all) and sets the server-wide time limit of a request. Requests are templated and tokenized on a
+thread of their own (``prepare_thread.Preparer``), started with the app and ended at shutdown.
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from eeserve import __version__
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.server.admission import ServingLimits, resolve_limits
+from eeserve.server.cost_bound import PromptBounds
 from eeserve.server.engine_loop import EngineLoop
 from eeserve.server.formatting import TokenStrings, exit_config_summary
 from eeserve.server.metrics import ServerMetrics
 from eeserve.server.prepare import ApiError, ModelInfo, describe_validation_errors, error_body
+from eeserve.server.prepare_thread import Preparer
 from eeserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -47,6 +51,7 @@ from eeserve.server.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
+from eeserve.server.refusal import EarlyRefusal
 from eeserve.server.serving import ServingContext, generate
 from eeserve.server.ui import UI_PATHS, UI_PREFIX, add_ui_routes
 
@@ -72,21 +77,8 @@ def create_app(
     limits: ServingLimits | None = None,
 ) -> FastAPI:
     limits = limits or ServingLimits()
-    num_layers = engine.model_config.num_layers
-    metrics = ServerMetrics(num_layers)
-    engine_loop = EngineLoop(engine, metrics, resolve_limits(limits, engine), limits.engine_nice)
-    metrics.track_admission(engine_loop.admission)
-    tokenizer = copy.deepcopy(engine.tokenizer)
-    info = ModelInfo(
-        tokenizer=tokenizer,
-        model_names=list(model_names or [str(engine.config.model)]),
-        max_model_len=engine.max_model_len,
-        num_layers=num_layers,
-    )
-    summary = exit_config_summary(engine.exit_config, engine.config.exit_policy)
-    ctx = ServingContext(
-        engine_loop, info, TokenStrings(tokenizer), metrics, summary, limits.request_timeout
-    )
+    ctx = _serving_context(engine, model_names, limits)
+    engine_loop, metrics = ctx.engine_loop, ctx.metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -95,6 +87,7 @@ def create_app(
             yield
         finally:
             engine_loop.stop()
+            ctx.preparer.close()
 
     app = FastAPI(
         title="eeserve",
@@ -105,6 +98,10 @@ def create_app(
     )
     app.state.ctx = ctx
     app.state.engine_loop = engine_loop
+    # Added before authentication, so inside it: a request without the key gets its 401.
+    app.add_middleware(
+        EarlyRefusal, engine_loop=engine_loop, metrics=metrics, paths=GENERATION_PATHS
+    )
     if api_key:
         exempt = ("/health", *UI_PATHS) if ui else ("/health",)
         prefixes = (UI_PREFIX,) if ui else ()
@@ -115,6 +112,33 @@ def create_app(
         add_ui_routes(app)
     app.add_middleware(RejectionTimer, metrics=metrics)  # added last: outermost, sees arrival
     return app
+
+
+def _serving_context(
+    engine: LLMEngine, model_names: list[str] | None, limits: ServingLimits
+) -> ServingContext:
+    """The engine loop, metrics, model facts and request preparation the routes share."""
+    num_layers = engine.model_config.num_layers
+    metrics = ServerMetrics(num_layers)
+    engine_loop = EngineLoop(engine, metrics, resolve_limits(limits, engine), limits.engine_nice)
+    metrics.track_admission(engine_loop.admission, engine_loop.meter)
+    tokenizer = copy.deepcopy(engine.tokenizer)
+    info = ModelInfo(
+        tokenizer=tokenizer,
+        model_names=list(model_names or [str(engine.config.model)]),
+        max_model_len=engine.max_model_len,
+        num_layers=num_layers,
+    )
+    return ServingContext(
+        engine_loop,
+        info,
+        TokenStrings(tokenizer),
+        metrics,
+        exit_config_summary(engine.exit_config, engine.config.exit_policy),
+        Preparer(info),
+        PromptBounds.of(tokenizer),
+        limits.request_timeout,
+    )
 
 
 def _add_routes(app: FastAPI, ctx: ServingContext, metrics_view: MetricsView | None) -> None:

@@ -7,11 +7,14 @@ Contract:
   outputs. From then on every engine call (``add_request``, ``abort_request``, ``tokenize``,
   ``step``) happens on the loop's single worker thread; other threads only post commands to it
   (a deque plus a wake-up event), so no lock is needed.
-- ``await add(choices, exit_params, timeout)`` first passes the group through admission control
-  (``admission.Admission``, on the event loop: ``Overloaded`` at once when the waiting requests
-  or their tokens would exceed ``limits``), then adds its engine requests on the worker thread,
-  all or none (``engine_requests.admit``: the engine's ``ValueError`` and ``RequestRejected``
-  are raised to the caller). It returns a ``Generation`` (``server.generation``) whose
+- ``reserve(estimate)`` (on the event loop, before a request is templated and tokenized) takes
+  its place in admission control's queue (``admission.Admission.reserve``: ``Overloaded`` at
+  once beyond the limits; ``ShuttingDown`` while draining) and returns its ``Ticket``.
+- ``await add(choices, exit_params, timeout, ticket)`` settles the ticket with the group's exact
+  costs (``Overloaded`` when they pass a limit; without a ticket the group is checked as it
+  is), then adds its engine requests on the worker thread, all or none
+  (``engine_requests.admit``: the engine's ``ValueError`` and ``RequestRejected`` are raised to
+  the caller). It returns a ``Generation`` (``server.generation``) whose
   ``stream()`` yields ``(choice_index, RequestOutput)`` in engine order until every choice has
   finished; with a ``timeout`` (seconds) the generation is aborted when it runs out and its
   stream raises ``DeadlineExceeded``.
@@ -21,7 +24,10 @@ Contract:
 - ``begin_drain(timeout)`` (graceful shutdown): new work is refused with ``ShuttingDown``;
   requests still running after ``timeout`` seconds are aborted and their streams raise
   ``GenerationError``. ``stop()`` ends the thread the same way and joins it.
-- Metrics (tokens, TTFT, inter-token latency, exit layers, gauges) are recorded on the thread.
+- Metrics (tokens, TTFT, inter-token latency, exit layers, gauges) are recorded on the thread,
+  and so is each step's duration, prompt tokens computed and tokens generated
+  (``throughput.ThroughputMeter``: the rates admission control turns its queue into seconds
+  with).
 - The engine comes built (``server.startup.build_engine``); the loop only drives it.
 """
 
@@ -36,15 +42,26 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.exit_params import ExitParams
 from eeserve.outputs import RequestOutput
-from eeserve.server.admission import Admission, AdmissionLimits, ServingLimits, resolve_limits
+from eeserve.server.admission import (
+    Admission,
+    AdmissionLimits,
+    Cost,
+    Estimate,
+    ServingLimits,
+    Ticket,
+    engine_capacity,
+    resolve_limits,
+)
 from eeserve.server.engine_requests import ChoiceSpec, admit
 from eeserve.server.generation import Batch, Generation, GenerationError, put_all
 from eeserve.server.metrics import ServerMetrics
+from eeserve.server.throughput import ThroughputMeter
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +94,12 @@ class EngineLoop:
         self.engine = engine
         self.nice = nice  # the engine thread's niceness above its creator's
         self.metrics = metrics
-        self.admission = Admission(limits or resolve_limits(ServingLimits(), engine))
+        self.meter = ThroughputMeter()
+        self.admission = Admission(
+            limits or resolve_limits(ServingLimits(), engine),
+            engine_capacity(engine),
+            self.meter.rates,
+        )
         self.num_layers = engine.model_config.num_layers
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._wake = threading.Event()
@@ -123,17 +145,25 @@ class EngineLoop:
 
     # -- requests (event-loop side) -------------------------------------------------------------
 
+    def reserve(self, estimate: Estimate) -> Ticket:
+        if self.draining or not self.alive:
+            raise ShuttingDown("the server is shutting down")
+        return self.admission.reserve(estimate)
+
     async def add(
         self,
         choices: list[ChoiceSpec],
         exit_params: ExitParams | None,
         timeout: float | None = None,
+        ticket: Ticket | None = None,
     ) -> Generation:
-        if self.draining or not self.alive:
-            raise ShuttingDown("the server is shutting down")
         # What a request may hold of the KV pool: its prompt and every token it may generate.
-        costs = [len(c.prompt_token_ids) + c.params.max_tokens for c in choices]
-        self.admission.admit(costs)
+        costs = [Cost(len(c.prompt_token_ids), c.params.max_tokens) for c in choices]
+        ticket = ticket or self.reserve(Estimate.exact(costs))
+        if self.draining or not self.alive:
+            ticket.release()
+            raise ShuttingDown("the server is shutting down")
+        self.admission.settle(ticket, costs)
         gen = Generation(self.abort, len(choices))
         gen.hold(self.admission, costs)
         if timeout is not None:
@@ -201,27 +231,44 @@ class EngineLoop:
         self._update_gauges()
 
     def _step(self) -> None:
+        prefilling = self._prefilling()
+        start = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:
             log.exception("engine step failed")
             self._fail_all(f"engine error: {type(e).__name__}: {e}", 500)
             return
+        took = time.perf_counter() - start
+        prefilled = _prefilled(prefilling)
         if not outputs:
+            self.meter.record(took, prefilled, 0)
             time.sleep(0.001)  # nothing schedulable right now; do not spin
             return
         now = time.monotonic()
         batch = Batch()
+        generated = 0
         for out in outputs:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
-            self._record(tracked, out, now)
+            generated += self._record(tracked, out, now)
             if out.finished:
                 del self._tracked[out.request_id]
             batch.items.append((tracked.generation, (tracked.index, out)))
+        self.meter.record(took, prefilled, generated)
         self._deliver(batch)
         self._update_gauges()
+
+    def _prefilling(self) -> list[tuple[Any, int]]:
+        """The sequences with prompt tokens still to compute, and how many they have computed
+        (``_prefilled`` after the step)."""
+        sched = self.engine.scheduler
+        return [
+            (s, s.num_computed_tokens)
+            for s in chain(sched.running, sched.waiting)
+            if s.num_computed_tokens < s.num_prompt_tokens
+        ]
 
     def _deliver(self, batch: Batch) -> None:
         if batch.items and self._loop is not None and not self._loop.is_closed():
@@ -253,11 +300,12 @@ class EngineLoop:
             batch.items.append((gen, GenerationError(message, status)))
         self._deliver(batch)
 
-    def _record(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
+    def _record(self, tracked: _Tracked, out: RequestOutput, now: float) -> int:
+        """Record a request's new tokens in the metrics; their number."""
         c = out.outputs[0]
         new = len(c.token_ids) - tracked.seen_tokens
         if new <= 0:
-            return
+            return 0
         m = self.metrics
         if tracked.seen_tokens == 0:
             m.time_to_first_token.observe(now - tracked.arrival)
@@ -271,6 +319,7 @@ class EngineLoop:
             m.layers_total.inc(self.num_layers)
         tracked.seen_tokens = len(c.token_ids)
         self._record_spec(tracked, out)
+        return new
 
     def _record_spec(self, tracked: _Tracked, out: RequestOutput) -> None:
         """Drafted / accepted counters from the request's running totals (speculative mode)."""
@@ -289,3 +338,11 @@ class EngineLoop:
         m.waiting.set(len(sched.waiting))
         m.kv_blocks_free.set(bm.num_free_blocks)
         m.kv_blocks_used.set(bm.num_blocks - bm.num_free_blocks)
+
+
+def _prefilled(before: list[tuple[Any, int]]) -> int:
+    """Prompt tokens computed since ``EngineLoop._prefilling`` took ``before`` (a preempted
+    sequence, which starts again from 0, counts none)."""
+    return sum(
+        max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - done) for seq, done in before
+    )

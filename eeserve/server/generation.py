@@ -7,9 +7,10 @@ RequestOutput)`` in engine order until every choice has finished, and raises the
 ``DeadlineExceeded`` once the request's time limit has passed. ``abort()`` aborts the
 unfinished engine requests (their KV blocks are freed), gives back what the request held in
 admission control and stops its deadline timer; ``cancel()`` (client gone) also ends the stream.
-``hold(admission, costs)`` makes the generation give back each choice's admission cost when the
-choice produces its first output (``put_all``, which the engine loop schedules on the event
-loop for each engine step's outputs) or when it ends without one. ``set_deadline(timeout)``
+``hold(admission, costs)`` makes the generation report each choice to admission control:
+started when it produces its first output (``put_all``, which the engine loop schedules on the
+event loop for each engine step's outputs), released when it ends without one, finished when it
+ends after. ``set_deadline(timeout)``
 aborts the generation ``timeout`` seconds from now and ends its stream with
 ``DeadlineExceeded`` (status 504).
 """
@@ -22,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from eeserve.outputs import RequestOutput
-from eeserve.server.admission import Admission
+from eeserve.server.admission import Admission, Cost
 
 
 class GenerationError(RuntimeError):
@@ -67,14 +68,15 @@ class Generation:
         self._abort = abort
         self._pending = set(range(num_choices))
         self._admission: Admission | None = None
-        self._costs: dict[int, int] = {}  # choice -> admission cost, until its first output
+        self._costs: dict[int, Cost] = {}  # choice -> admission cost, until its first output
+        self._running: dict[int, Cost] = {}  # choice -> its cost, from its first output to its end
         self._timer: asyncio.TimerHandle | None = None
 
     @property
     def finished(self) -> bool:
         return not self._pending
 
-    def hold(self, admission: Admission, costs: list[int]) -> None:
+    def hold(self, admission: Admission, costs: list[Cost]) -> None:
         self._admission = admission
         self._costs = dict(enumerate(costs))
 
@@ -111,19 +113,31 @@ class Generation:
     def deliver(self, item: Item) -> None:
         """One item from the engine thread (on the event loop)."""
         if isinstance(item, tuple):
-            cost = self._costs.pop(item[0], None)
-            if cost is not None and self._admission is not None:
-                self._admission.started(cost)
+            self._progress(*item)
         else:
             self._release()
         if not self.cancelled:
             self.queue.put_nowait(item)
 
+    def _progress(self, index: int, out: RequestOutput) -> None:
+        adm = self._admission
+        if adm is None:
+            return
+        cost = self._costs.pop(index, None)
+        if cost is not None:
+            adm.started(cost)
+            self._running[index] = cost
+        if out.finished and index in self._running:
+            adm.finished(self._running.pop(index), len(out.outputs[0].token_ids))
+
     def _release(self) -> None:
         if self._admission is not None:
             for cost in self._costs.values():
                 self._admission.released(cost)
+            for cost in self._running.values():
+                self._admission.finished(cost)
         self._costs.clear()
+        self._running.clear()
 
     def _stop_timer(self) -> None:
         if self._timer is not None:

@@ -5,10 +5,10 @@ is ``run_serve``); ``run_serve(args)`` loads the engine, serves until SIGINT or 
 returns 0. On the first signal the listener closes, new requests on open connections get 503,
 in-flight requests run to completion for up to ``--shutdown-timeout`` seconds and are then
 aborted with an error (a JSON error body, or an ``error`` event before ``[DONE]`` in a
-stream); a second SIGINT forces the exit. ``--max-waiting-requests``, ``--max-queued-tokens``
-and ``--request-timeout`` set admission control and the time limit of a request
-(``serving_limits(args)``; see ``server.admission``). With ``--replicas N`` the same app runs as
-N Ray Serve replicas instead (``replicas.run_replicas``), each with those limits.
+stream); a second SIGINT forces the exit. ``--max-queue-seconds``, ``--max-waiting-requests``,
+``--max-queued-tokens`` and ``--request-timeout`` set admission control and the time limit of a
+request (``serving_limits(args)``; see ``server.admission``). With ``--replicas N`` the same app
+runs as N Ray Serve replicas instead (``replicas.run_replicas``), each with those limits.
 ``main(argv)`` is ``python -m eeserve.server``.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import uvicorn
 
 from eeserve.engine_args import add_engine_args, engine_config
-from eeserve.server.admission import ServingLimits
+from eeserve.server.admission import DEFAULT_MAX_QUEUE_SECONDS, ServingLimits
 from eeserve.server.app import create_app
 from eeserve.server.replicas import run_replicas
 from eeserve.server.startup import build_engine, freeze_startup_heap
@@ -86,18 +86,26 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def _add_overload_args(o: argparse._ArgumentGroup) -> None:
     o.add_argument(
+        "--max-queue-seconds",
+        type=float,
+        default=DEFAULT_MAX_QUEUE_SECONDS,
+        help="refuse (429) a request that the work queued ahead of it, at the throughput "
+        "measured over the recent past, would start later than this many seconds from now "
+        f"(default {DEFAULT_MAX_QUEUE_SECONDS:g}; inf: no bound in seconds)",
+    )
+    o.add_argument(
         "--max-waiting-requests",
         type=int,
         default=None,
-        help="engine requests that may wait for their first token; more get 429 "
-        "(default: --max-num-seqs)",
+        help="engine requests that may wait for their first token; more get 429, whatever "
+        "--max-queue-seconds says (default: --max-num-seqs)",
     )
     o.add_argument(
         "--max-queued-tokens",
         type=int,
         default=None,
-        help="prompt + max output tokens the waiting requests may hold; more get 429 "
-        "(default: the KV pool's tokens)",
+        help="prompt + max output tokens the waiting requests may hold; more get 429, whatever "
+        "--max-queue-seconds says (default: the KV pool's tokens)",
     )
     o.add_argument(
         "--request-timeout",
@@ -137,6 +145,7 @@ def serving_limits(args: argparse.Namespace) -> ServingLimits:
         max_queued_tokens=args.max_queued_tokens,
         request_timeout=args.request_timeout,
         engine_nice=args.engine_nice,
+        max_queue_seconds=args.max_queue_seconds,
     )
 
 

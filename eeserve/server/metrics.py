@@ -8,11 +8,15 @@ latencies, exit layers and the gauges; the HTTP layer records requests by endpoi
 ``timeout`` (the request's time limit passed), ``error`` (5xx or a request the engine could not
 finish)), and how long a 429 took to answer (``eeserve_rejection_seconds``: from the request's
 arrival at the app to its response headers, recorded by ``app.RejectionTimer``: what a load
-balancer waits for a refusal inside this process). ``track_admission(admission)`` exposes
-admission control's waiting requests, their tokens and its limits as gauges.
+balancer waits for a refusal inside this process). ``track_admission(admission, meter)`` exposes
+admission control's waiting requests, their tokens, the seconds its queue is estimated to take
+and its limits as gauges, and the throughput the estimate uses (prompt and generated tokens per
+second).
 """
 
 from __future__ import annotations
+
+import math
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -23,7 +27,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from eeserve.server.admission import LIMITS, Admission
+from eeserve.server.admission import Admission, Limit
+from eeserve.server.throughput import ThroughputMeter
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -121,10 +126,26 @@ class ServerMetrics:
             "Prompt + requested output tokens of the waiting engine requests",
             registry=r,
         )
+        self.admission_queue_seconds = Gauge(
+            "eeserve_admission_queue_seconds",
+            "Estimated seconds before a request sent now would produce its first token "
+            "(NaN until the throughput is measured)",
+            registry=r,
+        )
         self.admission_limit = Gauge(
             "eeserve_admission_limit",
-            "Admission limits: waiting_requests and queued_tokens",
+            "Admission limits: waiting_requests, queued_tokens and queue_seconds",
             ["limit"],
+            registry=r,
+        )
+        self.prefill_rate = Gauge(
+            "eeserve_prefill_tokens_per_second",
+            "Prompt tokens computed per second over the recent past (steps that computed any)",
+            registry=r,
+        )
+        self.decode_rate = Gauge(
+            "eeserve_decode_tokens_per_second",
+            "Tokens generated per second over the recent past (steps that generated any)",
             registry=r,
         )
         self.rejection_seconds = Histogram(
@@ -133,17 +154,29 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        for limit in LIMITS:
+        for limit in Limit:
             self.admission_rejected.labels(limit)
 
     def request_done(self, endpoint: str, status: str) -> None:
         self.requests.labels(endpoint, status).inc()
 
-    def track_admission(self, admission: Admission) -> None:
+    def track_admission(self, admission: Admission, meter: ThroughputMeter) -> None:
         self.admission_waiting.set_function(lambda: admission.waiting_requests)
         self.admission_queued_tokens.set_function(lambda: admission.queued_tokens)
-        self.admission_limit.labels("waiting_requests").set(admission.limits.max_waiting_requests)
-        self.admission_limit.labels("queued_tokens").set(admission.limits.max_queued_tokens)
+        self.admission_queue_seconds.set_function(admission.queue_seconds)
+        lim = admission.limits
+        self.admission_limit.labels(Limit.WAITING_REQUESTS).set(lim.max_waiting_requests)
+        self.admission_limit.labels(Limit.QUEUED_TOKENS).set(lim.max_queued_tokens)
+        self.admission_limit.labels(Limit.QUEUE_SECONDS).set(lim.max_queue_seconds)
+        self.prefill_rate.set_function(lambda: _rate(meter, prefill=True))
+        self.decode_rate.set_function(lambda: _rate(meter, prefill=False))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _rate(meter: ThroughputMeter, *, prefill: bool) -> float:
+    rates = meter.rates()
+    if rates is None:
+        return math.nan
+    return rates.prefill_per_s if prefill else rates.decode_per_s

@@ -14,7 +14,8 @@ dead replica end with a 5xx. Replicas log at ``--log-level``, a line per request
 lets in-flight requests finish for up to ``--shutdown-timeout`` seconds, and a cluster started
 here is shut down. ``launch_replicas`` deploys on an already connected Ray (tests, scripts).
 Overload: every replica applies ``ReplicaOptions.limits`` to its own engine (admission control
-answers 429 with ``Retry-After`` and an OpenAI error body, as the single process does), and Ray
+answers 429 with ``Retry-After`` and an OpenAI error body, as the single process does; the queue
+bound in seconds is the replica's own queue at the replica's own measured throughput), and Ray
 Serve's per-replica limits are set from the same numbers (``ray_limits``): a replica is sent at
 most its running batch, its waiting requests and ``ONGOING_HEADROOM`` more at once (room for the
 quick 429s), so that the replica's own check, not Ray, decides; when every replica is at that

@@ -1,17 +1,20 @@
 """The two generation endpoints: validated request -> engine requests -> JSON or an SSE stream.
 
-Contract: ``generate(ctx, request, body, kind)`` turns the validated body into engine requests
-with ``prepare`` (the one implementation shared with batch files: model name, tokenization,
-``SamplingParams``, ``ExitParams``), queues them atomically on the engine loop (a prompt that does
-not fit the context is a 400 naming the lengths) and answers either with one JSON body or with
-``text/event-stream`` chunks ending in ``data: [DONE]``. A client that goes away (mid-stream or
-while waiting for a whole response) gets its engine requests aborted, which frees their KV
-blocks. A request beyond the admission limits is a 429 with ``Retry-After`` (OpenAI's
-``rate_limit_exceeded``; ``type`` says which limit: ``requests`` or ``tokens``). A request whose
-time limit (its ``request_timeout`` field or the server's, whichever is shorter) passes is
-aborted and answered with a 504 ``deadline_exceeded`` body, or, once streaming, with an error
-event before ``[DONE]``. Every problem is an ``ApiError`` rendered as an OpenAI error body by the
-app.
+Contract: ``generate(ctx, request, body, kind)`` checks the model name and the number of choices and
+takes the request's place in admission control's queue from what its body alone says it may cost
+(``cost_bound.estimate``: no templating, no tokenizing), so that a request beyond the limits is
+refused before any expensive work. Then it turns the body into engine requests with ``prepare`` (the
+one implementation shared with batch files: tokenization, ``SamplingParams``, ``ExitParams``) on the
+preparation thread (``prepare_thread.Preparer``), queues them atomically on the engine loop with
+their exact costs (a prompt that does not fit the context is a 400 naming the lengths) and answers
+either with one JSON body or with ``text/event-stream`` chunks ending in ``data: [DONE]``. A client
+that goes away (mid-stream or while waiting for a whole response) gets its engine requests aborted,
+which frees their KV blocks. A request beyond the admission limits is a 429 with ``Retry-After``
+(OpenAI's ``rate_limit_exceeded``; ``type`` says which limit: ``requests``, ``tokens`` or
+``queue_seconds``). A request whose time limit (its ``request_timeout`` field or the server's,
+whichever is shorter) passes is aborted and answered with a 504 ``deadline_exceeded`` body, or, once
+streaming, with an error event before ``[DONE]``. Every problem is an ``ApiError`` rendered as an
+OpenAI error body by the app.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from eeserve.outputs import CompletionOutput
-from eeserve.server.admission import Overloaded
+from eeserve.server.admission import Overloaded, Ticket
+from eeserve.server.cost_bound import PromptBounds, estimate
 from eeserve.server.engine_loop import EngineLoop, ShuttingDown
 from eeserve.server.formatting import Formatter, Kind, TokenStrings
 from eeserve.server.generation import DeadlineExceeded, Generation, GenerationError
@@ -36,10 +40,13 @@ from eeserve.server.prepare import (
     ApiError,
     GenerationRequest,
     ModelInfo,
+    Prepared,
+    check_model,
     engine_refusal,
     error_body,
-    prepare,
 )
+from eeserve.server.prepare_thread import Preparer
+from eeserve.server.refusal import overloaded_error
 
 
 @dataclass
@@ -49,6 +56,8 @@ class ServingContext:
     strings: TokenStrings
     metrics: ServerMetrics
     exit_config: dict[str, Any]  # GET /v1/eeserve/exit_config (formatting.exit_config_summary)
+    preparer: Preparer
+    bounds: PromptBounds
     request_timeout: float | None = None  # seconds; the server-wide time limit of a request
 
 
@@ -61,25 +70,16 @@ async def generate(
     req: GenerationRequest,
     kind: Kind,
 ) -> Response:
-    prep = prepare(ctx.info, req, kind)
-    limits = [t for t in (req.request_timeout, ctx.request_timeout) if t is not None]
+    check_model(ctx.info, req)
     try:
-        gen = await ctx.engine_loop.add(
-            prep.specs, prep.exit_params, min(limits) if limits else None
-        )
-    except Overloaded as e:
-        ctx.metrics.admission_rejected.labels(e.limit).inc()
-        raise ApiError(
-            429,
-            str(e),
-            type_="requests" if e.limit == "waiting_requests" else "tokens",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": str(e.retry_after)},
-        ) from e
-    except ShuttingDown as e:
-        raise ApiError(503, str(e), type_="service_unavailable", code="shutting_down") from e
-    except ValueError as e:
-        raise engine_refusal(e, prep) from e
+        ticket = ctx.engine_loop.reserve(estimate(ctx.bounds, ctx.info, req))
+    except (Overloaded, ShuttingDown) as e:
+        raise _refused(ctx, e) from e
+    try:
+        prep = await ctx.preparer.prepare(req, kind)
+        gen = await _queue(ctx, req, prep, ticket)
+    finally:
+        ticket.release()  # nothing to give back once the engine loop settled it
     fmt = Formatter(
         kind,
         req.model,
@@ -94,6 +94,27 @@ async def generate(
         run.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _EventStream(run)
     return await run.whole(request)
+
+
+async def _queue(
+    ctx: ServingContext, req: GenerationRequest, prep: Prepared, ticket: Ticket
+) -> Generation:
+    """The prepared request's engine requests, queued on the engine loop."""
+    limits = [t for t in (req.request_timeout, ctx.request_timeout) if t is not None]
+    timeout = min(limits) if limits else None
+    try:
+        return await ctx.engine_loop.add(prep.specs, prep.exit_params, timeout, ticket)
+    except (Overloaded, ShuttingDown) as e:
+        raise _refused(ctx, e) from e
+    except ValueError as e:
+        raise engine_refusal(e, prep) from e
+
+
+def _refused(ctx: ServingContext, e: Overloaded | ShuttingDown) -> ApiError:
+    if isinstance(e, ShuttingDown):
+        return ApiError(503, str(e), type_="service_unavailable", code="shutting_down")
+    ctx.metrics.admission_rejected.labels(e.limit).inc()
+    return overloaded_error(e)
 
 
 @dataclass
