@@ -88,6 +88,7 @@ async def generate(
         len(prep.specs),
         prep.top_logprobs,
         prep.stop,
+        tool_calls=prep.tool_calls,
     )
     run = _Run(ctx, request.url.path, gen, fmt, prep.prompt_lens)
     if req.stream:
