@@ -10,8 +10,8 @@ with a call (a named one: that function only); ``auto`` allows any text, but onc
 ``<tool_call>`` the call must follow. Each call is ``{"name": <an offered function>, "arguments":
 <JSON under that function's parameters schema>}`` (``strict``: objects closed as
 ``response_format``'s strict schemas are); several calls one after another unless
-``parallel_tool_calls`` is false or the choice names a function (then one call). ``none`` constrains nothing. Every problem is a
-``ConstraintError`` naming the field: ``tool_choice`` with another constraint, ``tool_choice``
+``parallel_tool_calls`` is false or the choice names a function (then one call). ``none``
+constrains nothing. Every problem is a ``ConstraintError`` naming the field: ``tool_choice`` with another constraint, ``tool_choice``
 without tools or naming a function that ``tools`` does not define, a duplicate function name
 (``tools.N.function.name``), a parameters schema that the grammar library refuses
 (``tools.N.function.parameters``). ``output_field(req)`` is the field a refusal of the compiled
