@@ -11,11 +11,11 @@ with a call (a named one: that function only); ``auto`` allows any text, but onc
 <JSON under that function's parameters schema>}`` (``strict``: objects closed as
 ``response_format``'s strict schemas are); several calls one after another unless
 ``parallel_tool_calls`` is false or the choice names a function (then one call). ``none``
-constrains nothing. Every problem is a ``ConstraintError`` naming the field: ``tool_choice`` with another constraint, ``tool_choice``
-without tools or naming a function that ``tools`` does not define, a duplicate function name
-(``tools.N.function.name``), a parameters schema that the grammar library refuses
-(``tools.N.function.parameters``). ``output_field(req)`` is the field a refusal of the compiled
-constraint is reported against.
+constrains nothing. Every problem is a ``ConstraintError`` naming the field: ``tool_choice``
+with another constraint, ``tool_choice`` without tools or naming a function that ``tools`` does
+not define, a duplicate function name (``tools.N.function.name``), a parameters schema that
+the grammar library refuses (``tools.N.function.parameters``). ``output_field(req)`` is the
+field a refusal of the compiled constraint is reported against.
 
 ``prompt_messages(req, tokenizer)`` is the request's messages as the chat template takes them,
 with the keyword arguments for ``apply_chat_template``. Where the template renders tools in this
