@@ -7,8 +7,9 @@ order), and writes one JSON file with the command, commit and machine. Modes (``
 ``free`` unconstrained full depth; ``constrained`` full depth under the constraint, every token
 its own pass; ``jump_forward`` the same with forced tokens appended without a pass of their own;
 ``exits`` jump-forward plus exit mode at the model's default exit rule; ``default`` the
-engine's default mode (speculative) under the constraint. Per workload, batch and mode: output
-tokens per second (median over rounds), valid and schema-valid rates, forced and exited tokens,
+engine's default mode (speculative) under the constraint; ``hf`` HF transformers' ``generate``
+with the same compiled grammar as a logits processor (``bench.structured_hf``). Per workload,
+batch and mode: output tokens per second (median over rounds), valid rate, forced and exited tokens,
 mean exit layer of the chosen tokens, token and field agreement with ``constrained``, and
 accuracy against the texts' own answers. A batch of B runs max(B, ``--min-prompts``) prompts in
 groups of B.
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from eeserve.bench.structured_data import Workload, classification, extraction, field_agreement
+from eeserve.bench.structured_hf import HFConstrained
 from eeserve.exit_params import ExitParams
 from eeserve.llm import LLM
 from eeserve.outputs import CompletionOutput
@@ -40,6 +42,7 @@ class Mode(enum.StrEnum):
     JUMP_FORWARD = "jump_forward"
     EXITS = "exits"
     DEFAULT = "default"
+    HF = "hf"  # HF transformers generate, the same grammar as a logits processor
 
 
 @dataclass(kw_only=True)
@@ -87,6 +90,27 @@ def _generate(
     return outs, time.perf_counter() - start
 
 
+def _generate_hf(
+    hf: HFConstrained, llm: LLM, w: Workload, batch: int, n: int, args: argparse.Namespace
+) -> tuple[list[CompletionOutput], float]:
+    prompts = [llm.apply_chat_template(c) for c in w.prompts[:n]]
+    grammar = llm.engine.grammars.compile(w.constraint)
+    ids, dt = hf.generate(prompts, grammar, batch, args.max_tokens)
+    full = llm.engine.model_config.num_layers
+    outs = [
+        CompletionOutput(
+            index=0,
+            text=llm.tokenizer.decode([t for t in r if t != hf.eos], skip_special_tokens=True),
+            token_ids=r,
+            finish_reason="stop" if r and r[-1] == hf.eos else "length",
+            exit_layers=[full] * len(r),
+            forced=[False] * len(r),
+        )
+        for r in ids
+    ]
+    return outs, dt
+
+
 def _score(cell: Cell, w: Workload, outs: list[CompletionOutput], num_layers: int) -> None:
     cell.num_requests = len(outs)
     cell.output_tokens = sum(len(c.token_ids) for c in outs)
@@ -109,30 +133,55 @@ def _agreement(cell: Cell, w: Workload, outs: list[CompletionOutput], ref: list[
     )
 
 
+@dataclass(kw_only=True)
+class Contenders:
+    """What runs each mode: the engine, the engine without jump-forward, HF transformers."""
+
+    llm: LLM
+    plain: LLM
+    hf: HFConstrained | None
+
+    def run(
+        self, w: Workload, m: Mode, batch: int, n: int, args: argparse.Namespace
+    ) -> tuple[list[CompletionOutput], float]:
+        if m is Mode.HF:
+            assert self.hf is not None
+            return _generate_hf(self.hf, self.llm, w, batch, n, args)
+        return _generate(self.plain if m is Mode.CONSTRAINED else self.llm, w, m, batch, n, args)
+
+
+def _contenders(model: str, modes: list[Mode]) -> Contenders:
+    llm = LLM(model)
+    # Full depth under the constraint, every token its own pass: jump-forward off.
+    plain = LLM(model, jump_forward=False) if Mode.CONSTRAINED in modes else llm
+    hf = None
+    if Mode.HF in modes:
+        eos = llm.engine.grammars.eos_token_id
+        pad = llm.tokenizer.pad_token_id
+        hf = HFConstrained(llm.engine.model_path, eos=eos, pad=eos if pad is None else int(pad))
+    return Contenders(llm=llm, plain=plain, hf=hf)
+
+
 def run_structured(args: argparse.Namespace) -> int:
     modes = [Mode(m) for m in args.modes.split(",")]
     batches = [int(b) for b in args.batch_sizes.split(",")]
     most = max(max(batches), args.min_prompts)
-    workloads = [
-        w for w in (extraction(most), classification(most)) if w.name in args.workloads.split(",")
-    ]
-    llm = LLM(args.model)
-    # Full depth under the constraint, every token its own pass: jump-forward off.
-    plain = LLM(args.model, jump_forward=False) if Mode.CONSTRAINED in modes else llm
-    engines = {m: plain if m is Mode.CONSTRAINED else llm for m in modes}
-    num_layers = llm.engine.model_config.num_layers
+    names = args.workloads.split(",")
+    workloads = [w for w in (extraction(most), classification(most)) if w.name in names]
+    runs = _contenders(args.model, modes)
+    num_layers = runs.llm.engine.model_config.num_layers
     cells: dict[tuple[str, int, Mode], Cell] = {}
     outputs: dict[tuple[str, int, Mode], list[CompletionOutput]] = {}
     for w in workloads:  # warm-up: kernels, grammars, first-call costs
         for m in modes:
-            _generate(engines[m], w, m, 1, 1, args)
+            runs.run(w, m, 1, 1, args)
     for r in range(args.rounds):
         order = modes[r % len(modes) :] + modes[: r % len(modes)]
         for w in workloads:
             for b in batches:
                 n = max(b, args.min_prompts)
                 for m in order:
-                    outs, dt = _generate(engines[m], w, m, b, n, args)
+                    outs, dt = runs.run(w, m, b, n, args)
                     cell = cells.setdefault((w.name, b, m), Cell(workload=w.name, batch=b, mode=m))
                     cell.tokens_per_s.append(sum(len(c.token_ids) for c in outs) / dt)
                     outputs[(w.name, b, m)] = outs
@@ -185,7 +234,11 @@ def add_structured_parser(sub: Any) -> None:
     )
     p.add_argument("--model", default="smollm2")
     p.add_argument("--workloads", default="extraction,classification")
-    p.add_argument("--modes", default=",".join(m.value for m in Mode))
+    p.add_argument(
+        "--modes",
+        default=",".join(m.value for m in Mode),
+        help="comma-separated: " + ", ".join(m.value for m in Mode),
+    )
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--min-prompts", type=int, default=8, help="prompts per batch size at least")
     p.add_argument("--max-tokens", type=int, default=96)
