@@ -275,3 +275,19 @@ def test_malformed_params_are_value_errors(kwargs: dict) -> None:
 def test_ignore_eos_cannot_outlive_the_grammar() -> None:
     with pytest.raises(ValueError, match="ignore_eos"):
         SamplingParams(ignore_eos=True, structured_outputs=CONSTRAINTS["choice"])
+
+
+def test_exits_are_judged_over_the_allowed_tokens(agreeing_dir: Path) -> None:
+    """Without jump-forward, a forced token is the model's to choose, among one allowed token:
+    its confidence over the allowed tokens is 1, so it leaves at the first exit whatever the
+    threshold; the same threshold lets no free-text token out."""
+    llm = make_llm(agreeing_dir, exit_policy="per_sequence", jump_forward=False)
+    strict = ExitParams(mode="exit", threshold=0.999, measure="max_prob", exit_layers=[2, 3])
+    only = "one single long answer"
+    sp = SamplingParams(max_tokens=32, structured_outputs=StructuredOutputsParams(choice=[only]))
+    (c,) = run_together(llm, ["Say it"], sp, [strict])
+    assert c.text == only
+    assert c.exit_layers[1:] == [2] * (len(c.token_ids) - 1)  # every decode token: exit 2
+    free = SamplingParams(max_tokens=16, ignore_eos=True)
+    (f,) = run_together(llm, ["Say it"], free, [strict])
+    assert set(f.exit_layers) == {L}

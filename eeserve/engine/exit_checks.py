@@ -138,6 +138,26 @@ class ExitChecks:
         conf = confidence(measure, logits, h, h_prev, probe)
         return conf, logits if measure in LOGIT_MEASURES else None
 
+    def allowed_confidence(
+        self, measure: str, layer: int, h: torch.Tensor, allowed: list[torch.Tensor]
+    ) -> list[float]:
+        """Confidence of rows h [n, D] at exit ``layer`` over each row's allowed tokens alone
+        (``allowed[i]``: ids [k_i]): the exit head's logits at those ids, softmaxed among
+        themselves; the margin of the top two for the margin measures, else the top probability
+        (a lone allowed token: 1)."""
+        normed = self.head_normed(layer, h).float()  # [n, D]
+        weight = self.model.lm_head.weight
+        margin = measure in (Measure.SOFTMAX_MARGIN, Measure.SHORTLIST_MARGIN)
+        out = []
+        for i, ids in enumerate(allowed):
+            logits = weight[ids].float() @ normed[i]  # [k]
+            if logits.numel() == 1:
+                out.append(1.0)
+                continue
+            top = logits.softmax(-1).topk(2).values
+            out.append(float(top[0] - top[1]) if margin else float(top[0]))
+        return out
+
     def stack_check(self, measure: str, layer: int) -> StackCheck | None:
         """``measure``'s check at exit ``layer`` for the kernel that checks between layers;
         None where that kernel cannot compute it (other measures, modules off its kernels)."""

@@ -290,6 +290,7 @@ class ExitLoop:
             conf, logits = self._measure(j, hc, take_rows(h_prev, lanes), plans)
         else:
             conf, logits = [computed[i] for i in lanes], None
+        self._allowed_confidence(j, hc, seqs, plans, b, conf)
         go = self._decide(j, conf, plans, seqs, st, b)
         leaving = [k for k, g in enumerate(go) if g]
         if not leaving:
@@ -303,6 +304,27 @@ class ExitLoop:
                 assert normed is not None
                 e.head_input = normed[n]
         return {lanes[k] for k in leaving}
+
+    def _allowed_confidence(
+        self,
+        j: int,
+        hc: torch.Tensor,
+        seqs: list[SeqIdx],
+        plans: list[ExitPlan],
+        b: ExitBatch,
+        conf: list[float],
+    ) -> None:
+        """Constrained rows whose grammar allows few tokens: their confidence at exit ``j``, in
+        ``conf`` in place, is over those tokens alone (hc [n, D]: the checked rows' head input)."""
+        ks = [k for k, s in enumerate(seqs) if s in b.allowed]
+        if not ks:
+            return
+        for measure in {plans[k].measure for k in ks}:
+            mine = [k for k in ks if plans[k].measure == measure]
+            ids = [b.allowed[seqs[k]] for k in mine]
+            got = self.checks.allowed_confidence(measure, j, take_rows(hc, mine), ids)
+            for k, c in zip(mine, got):
+                conf[k] = c
 
     def _decide(
         self,

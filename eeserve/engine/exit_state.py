@@ -30,6 +30,10 @@ from eeserve.engine.request_state import OwedPosition, RequestState
 from eeserve.engine.sequence import Sequence
 from eeserve.models.llama import Rotary
 
+# A constrained row whose grammar allows at most this many tokens next is judged over them alone
+# at its exits: their logits are a gather of that many LM-head rows, far below a layer's cost.
+MAX_ALLOWED = 512
+
 Row = NewType("Row", int)  # a row of the pass
 Lane = NewType("Lane", int)  # a running row's place in ``Running.h``
 SeqIdx = NewType("SeqIdx", int)  # a scheduled sequence's place in the step
@@ -64,6 +68,9 @@ class ExitBatch:
     # the batch that ``batch_all`` waits for.
     prefill: set[SeqIdx] = field(default_factory=set)
     argmax_only: bool = False  # only the logits' argmax is read (kernels.screened_head)
+    # Constrained sequences whose grammar allows few tokens next: their ids [k]. Their exits are
+    # judged over those tokens alone (``ExitChecks.allowed_confidence``).
+    allowed: dict[SeqIdx, torch.Tensor] = field(default_factory=dict)
     sampled: dict[Row, SeqIdx] = field(init=False)  # sampled row -> its sequence
 
     def __post_init__(self) -> None:
@@ -124,7 +131,22 @@ def exit_batch(
         speculative={SeqIdx(i) for i, s in enumerate(states) if s.spec is not None},
         prefill={SeqIdx(i) for i, d in enumerate(decoding) if not d},
         argmax_only=argmax_only,
+        allowed=_allowed(states, plans),
     )
+
+
+def _allowed(
+    states: list[RequestState], plans: list[ExitPlan | None]
+) -> dict[SeqIdx, torch.Tensor]:
+    """The allowed tokens of the checked constrained sequences whose grammar leaves at most
+    ``MAX_ALLOWED`` of them."""
+    out: dict[SeqIdx, torch.Tensor] = {}
+    for i, (state, plan) in enumerate(zip(states, plans)):
+        if plan is not None and state.matcher is not None:
+            ids = state.matcher.allowed_ids(MAX_ALLOWED)
+            if ids is not None:
+                out[SeqIdx(i)] = ids
+    return out
 
 
 @dataclass(kw_only=True)

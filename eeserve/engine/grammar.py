@@ -95,6 +95,11 @@ class TokenMatcher:
         word = int(w[i]) & 0xFFFFFFFF
         return i * 32 + word.bit_length() - 1 if word & (word - 1) == 0 else None
 
+    def allowed_ids(self, limit: int) -> torch.Tensor | None:
+        """[k] the ids of the tokens allowed next, when there are at most ``limit`` of them."""
+        ids = self.allowed().nonzero().view(-1)
+        return ids if 0 < ids.numel() <= limit else None
+
     def first_allowed(self) -> int:
         return int(self.allowed().nonzero()[0, 0])
 

@@ -86,6 +86,8 @@ def route_checks(
         return CheckRoute(why_not="layer heads check inside a layer, between its halves")
     if batch.forced_depth or batch.passengers or batch.speculative:
         return CheckRoute(why_not="replayed, owed or draft rows in the pass")
+    if batch.allowed:
+        return CheckRoute(why_not="constrained rows judged over their allowed tokens")
     if route.kernel is not Kernel.DECODE_STACK:
         return CheckRoute(why_not=route.why_not_stack)
     measures = {p.measure for p in batch.plans if p is not None}
