@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eeserve.bench.structured_data import classification, extraction, field_agreement
 from eeserve.cli import main
+from eeserve.tuning.structured_workloads import classification, extraction, field_agreement
 
 
 def test_bench_structured_writes_its_table(tiny_varied_dir: Path, tmp_path: Path) -> None:

@@ -344,3 +344,28 @@ def test_calibrate_into_out_config_leaves_the_model_alone(
     argv += ["--kv-cache-memory", KV]
     assert cli_main(argv) == 1
     assert not (tmp_path / "none").exists()
+
+
+def test_constrained_calibration_sets_the_constrained_threshold_only(
+    calibrated: Path, tmp_path: Path
+) -> None:
+    """``--structured``: the threshold goes to ``constrained_thresholds``; constrained requests
+    that state no threshold use it, free-text ones keep theirs."""
+    out = tmp_path / "sidecar"
+    free = json.loads((calibrated / "exit_config.json").read_text())["thresholds"]
+    argv = ["calibrate", str(calibrated), "--structured", "classification", "--loss", "fields"]
+    argv += ["--n", "12", "--max-tokens", "8", "--delta", "0.5", "--epsilon", "0.5"]
+    argv += ["--candidates", "0.999", "0.3", "--out-config", str(out), "--kv-cache-memory", KV]
+    argv += ["--check-n", "4"]
+    assert cli_main(argv) == 0
+    cfg = json.loads((out / "exit_config.json").read_text())
+    entry = cfg["calibration"][0]
+    assert entry["structured"] == "classification" and entry["loss"] == "fields"
+    chosen = cfg["constrained_thresholds"]["softmax_margin"]
+    assert chosen == entry["threshold"] and cfg["thresholds"] == free
+    exit_cfg = ExitConfig(**{k: v for k, v in cfg.items() if k != "format"})
+    rule = ExitParams(mode="exit")
+    constrained = resolve_exit_plan(rule, exit_cfg, constrained=True)
+    plain = resolve_exit_plan(rule, exit_cfg)
+    assert constrained is not None and set(constrained.thresholds.values()) == {chosen}
+    assert plain is not None and set(plain.thresholds.values()) == {free["softmax_margin"]}

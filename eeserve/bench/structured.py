@@ -1,8 +1,8 @@
 """``eeserve bench structured``: what constrained decoding costs and what it buys, side by side.
 
 Contract: ``add_structured_parser(subparsers)`` registers the command; ``run_structured(args)``
-runs the extraction and classification workloads (``bench.structured_data``) at each batch size
-under each mode, greedy, alternated over ``--rounds`` (every mode once per round, in a rotated
+runs the extraction and classification workloads (``tuning.structured_workloads``) at each batch
+size under each mode, greedy, alternated over ``--rounds`` (every mode once per round, in a rotated
 order), and writes one JSON file with the command, commit and machine. Modes (``Mode``):
 ``free`` unconstrained full depth; ``constrained`` full depth under the constraint, every token
 its own pass; ``jump_forward`` the same with forced tokens appended without a pass of their own;
@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eeserve.bench.structured_data import Workload, classification, extraction, field_agreement
 from eeserve.bench.structured_hf import HFConstrained
 from eeserve.exit_params import ExitParams
 from eeserve.llm import LLM
@@ -34,6 +33,12 @@ from eeserve.outputs import CompletionOutput
 from eeserve.sampling_params import SamplingParams
 from eeserve.tuning.provenance import provenance
 from eeserve.tuning.quality import token_agreement
+from eeserve.tuning.structured_workloads import (
+    Workload,
+    classification,
+    extraction,
+    field_agreement,
+)
 
 
 class Mode(enum.StrEnum):

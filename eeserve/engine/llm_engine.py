@@ -202,7 +202,7 @@ class LLMEngine:
             request_id,
             ids,
             params,
-            exit_plan=self.exit_plan(exit_params),
+            exit_plan=self.exit_plan(exit_params, constrained=constraint is not None),
             grammar=self.grammars.compile(constraint) if constraint is not None else None,
             prompt=prompt if isinstance(prompt, str) else None,
         )
@@ -211,8 +211,11 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
-    def exit_plan(self, exit_params: ExitParams | None) -> ExitPlan | None:
-        """A request's resolved exit rule (None: full depth); ``ValueError`` when it cannot be."""
+    def exit_plan(
+        self, exit_params: ExitParams | None, *, constrained: bool = False
+    ) -> ExitPlan | None:
+        """A request's resolved exit rule (None: full depth); ``ValueError`` when it cannot be.
+        ``constrained``: the request has structured outputs (their calibrated thresholds)."""
         if self.config.exit_policy == ExitPolicy.NONE:
             return None
         return resolve_exit_plan(
@@ -220,6 +223,7 @@ class LLMEngine:
             self.exit_config,
             ExitPolicy(self.config.exit_policy),
             self.speculative_draft,
+            constrained,
         )
 
     def abort_request(self, request_id: str) -> None:

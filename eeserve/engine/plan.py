@@ -44,9 +44,12 @@ def resolve_exit_plan(
     cfg: ExitConfig,
     policy: ExitPolicy | None = None,
     speculative_draft: DraftSource = DraftSource.EXITS,
+    constrained: bool = False,
 ) -> ExitPlan | None:
     """``speculative_draft`` int8: a speculative request's drafts come from the int8 copy at
-    full depth, so its plan has no exit layers (exit layers, threshold and measure go unused)."""
+    full depth, so its plan has no exit layers (exit layers, threshold and measure go unused).
+    ``constrained`` (structured outputs): without a stated threshold or tolerance, the
+    measure's constrained threshold where the config has one."""
     if params is None:
         if not cfg.enabled_by_default:
             return None
@@ -73,6 +76,8 @@ def resolve_exit_plan(
         threshold = calibrated_threshold(
             cfg, params.tolerance, measure, ExitPolicy.PER_SEQUENCE if eager else policy
         )
+    if threshold is None and constrained:
+        threshold = cfg.constrained_thresholds.get(measure)
     if threshold is None:
         threshold = cfg.thresholds.get(measure)
     if threshold is None:

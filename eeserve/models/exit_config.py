@@ -1,9 +1,10 @@
 """The model's exit-head description: the JSON half of the exit sidecar (``exit_config.json``).
 
 Contract: ``ExitConfig`` is plain data (exit layers, head kind, adapter, probes, thresholds per
-measure, calibration records, whether exits are on by default, for a model trained to exit its
-base delta, and the vocabulary shortlist of the cheap checks); ``default_shared_exit_layers``
-gives the exit layers used when a model has no sidecar.
+measure for free text and for constrained requests, calibration records, whether exits are on
+by default, for a model trained to exit its base delta, and the vocabulary shortlist of the
+cheap checks); ``default_shared_exit_layers`` gives the exit layers used when a model has no
+sidecar.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ class ExitConfig:
     classifier: bool = False
     default_measure: str = "softmax_margin"
     thresholds: dict[str, float | list[float]] = field(default_factory=dict)
+    # Per measure, the threshold of constrained requests (structured outputs), calibrated on a
+    # constrained workload (``eeserve calibrate --structured``); a measure missing here uses
+    # ``thresholds``.
+    constrained_thresholds: dict[str, float | list[float]] = field(default_factory=dict)
     calibration: list[dict[str, object]] = field(default_factory=list)
     enabled_by_default: bool = False
     # Sidecar v2, a model trained to exit (``models.base_delta``): {"rank", "scale", "file",

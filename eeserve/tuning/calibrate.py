@@ -41,6 +41,11 @@ from eeserve.engine_args import add_engine_args, engine_config
 from eeserve.exit_params import MEASURES, ExitParams
 from eeserve.models.exit_config import ExitConfig
 from eeserve.tuning.calibrate_ppl import TEXT_SOURCES, main_perplexity
+from eeserve.tuning.calibrate_structured import (
+    STRUCTURED_WORKLOADS,
+    field_losses,
+    structured_prompts,
+)
 from eeserve.tuning.calibration_prompts import RunResult, load_prompts, prompt_ids, run_prompts
 from eeserve.tuning.calibration_store import target_folder, with_calibration, write_calibration
 from eeserve.tuning.ltt import (
@@ -52,6 +57,7 @@ from eeserve.tuning.ltt import (
 )
 from eeserve.tuning.provenance import provenance
 from eeserve.tuning.quality import rouge_l, token_agreement
+from eeserve.tuning.structured_workloads import Workload
 
 # A shortlist's softmax leaves out the rest of the vocabulary, so it overstates confidence: its
 # candidates start closer to 1 (on the default model 0.999 already loses ROUGE-L 0.02).
@@ -64,7 +70,7 @@ DEFAULT_CANDIDATES = {
     "shortlist_margin": _SHORTLIST_CANDIDATES,
     "shortlist_max_prob": _SHORTLIST_CANDIDATES,
 }
-LOSSES = ("rouge", "tokens")
+LOSSES = ("rouge", "tokens", "fields")
 CHAT_MODES = ("no", "yes", "mixed")
 
 
@@ -80,8 +86,15 @@ def candidates(args: argparse.Namespace) -> list[float]:
     return list(args.candidates or DEFAULT_CANDIDATES[args.measure])
 
 
-def consistency_losses(kind: str, run: RunResult, ref: RunResult) -> list[float]:
-    """Per prompt 1 - ROUGE-L of the texts (``rouge``) or 1 - token agreement (``tokens``)."""
+def consistency_losses(
+    kind: str, run: RunResult, ref: RunResult, workload: Workload | None = None
+) -> list[float]:
+    """Per prompt 1 - ROUGE-L of the texts (``rouge``), 1 - token agreement (``tokens``) or
+    1 - field agreement of a structured workload's answers (``fields``)."""
+    if kind == "fields":
+        if workload is None:
+            raise ValueError("--loss fields needs --structured (a workload with fields)")
+        return field_losses(workload, run, ref)
     if kind == "rouge":
         scores = [rouge_l(a, b) for a, b in zip(run.texts, ref.texts)]
     elif kind == "tokens":
@@ -113,8 +126,9 @@ def calibrate(
     # Untimed warm-up over every prompt (its prefill and first decode steps): the first pass
     # of a fresh engine (its KV pool and buffers first touched) ran about a third slower, which
     # skewed every speed ratio upwards.
-    run_prompts(engine, prompts, 2, ExitParams(enabled=False))
-    ref = run_prompts(engine, prompts, args.max_tokens, ExitParams(enabled=False))
+    constraint = args.workload.constraint if args.workload is not None else None
+    run_prompts(engine, prompts, 2, ExitParams(enabled=False), constraint)
+    ref = run_prompts(engine, prompts, args.max_tokens, ExitParams(enabled=False), constraint)
     print(
         f"full depth: {ref.decode_tokens_per_s:.1f} decode tok/s on {len(prompts)} prompts",
         flush=True,
@@ -124,10 +138,9 @@ def calibrate(
     for cand in order_candidates(candidates(args)):
         if stopped and not full_table:
             break
-        run = run_prompts(
-            engine, prompts, args.max_tokens, ExitParams(threshold=cand, measure=args.measure)
-        )
-        losses = consistency_losses(args.loss, run, ref)
+        ep = ExitParams(threshold=cand, measure=args.measure)
+        run = run_prompts(engine, prompts, args.max_tokens, ep, constraint)
+        losses = consistency_losses(args.loss, run, ref, args.workload)
         test = check_candidate(cand, losses, args.delta, args.epsilon, args.pvalue)
         if stopped:
             test = dataclasses.replace(test, rejected=False, tested=False)
@@ -180,6 +193,11 @@ def calibration_entry(args: argparse.Namespace, threshold: float, n: int) -> dic
         "max_tokens": args.max_tokens,
         "prompts": args.prompts or f"prompt_texts(split='calib', seed={args.seed})",
         "chat": args.chat,
+        **(
+            {"structured": args.structured, "prompts": f"{args.structured}(split='calib')"}
+            if args.structured
+            else {}
+        ),
     }
 
 
@@ -189,15 +207,21 @@ def calibration_entry(args: argparse.Namespace, threshold: float, n: int) -> dic
 def heldout_check(
     engine: LLMEngine, args: argparse.Namespace, cfg: ExitConfig, threshold: float
 ) -> dict[str, float]:
-    """Loss and speed at the calibrated threshold, reached through ``tolerance=delta``."""
-    resolved = calibrated_threshold(cfg, args.delta, args.measure)
-    assert resolved == threshold, (resolved, threshold)
-    prompts = prompt_ids(engine, load_prompts(args, args.check_split, args.check_n), args.chat)
-    ref = run_prompts(engine, prompts, args.max_tokens, ExitParams(enabled=False))
-    run = run_prompts(
-        engine, prompts, args.max_tokens, ExitParams(threshold=resolved, measure=args.measure)
-    )
-    losses = consistency_losses(args.loss, run, ref)
+    """Loss and speed at the calibrated threshold, reached through ``tolerance=delta`` (a
+    constrained workload's: as stored, the constrained threshold)."""
+    w = args.workload
+    if w is None:
+        resolved = calibrated_threshold(cfg, args.delta, args.measure)
+        assert resolved == threshold, (resolved, threshold)
+        prompts = prompt_ids(engine, load_prompts(args, args.check_split, args.check_n), args.chat)
+    else:
+        resolved = float(cfg.constrained_thresholds[args.measure])  # type: ignore[arg-type]
+        prompts, w = structured_prompts(engine, args.structured, args.check_n, args.check_split)
+    constraint = w.constraint if w is not None else None
+    ref = run_prompts(engine, prompts, args.max_tokens, ExitParams(enabled=False), constraint)
+    ep = ExitParams(threshold=resolved, measure=args.measure)
+    run = run_prompts(engine, prompts, args.max_tokens, ep, constraint)
+    losses = consistency_losses(args.loss, run, ref, w)
     result = {
         "n": float(len(prompts)),
         "mean_loss": statistics.mean(losses),
@@ -227,14 +251,18 @@ def main(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config(args))
     args.measure = args.measure or engine.exit_config.default_measure
     out = target_folder(args.model, args.out_config)  # fail before the long run, not after
-    prompts = prompt_ids(engine, load_prompts(args, "calib", args.n), args.chat)
+    args.workload = None
+    if args.structured:
+        prompts, args.workload = structured_prompts(engine, args.structured, args.n, "calib")
+    else:
+        prompts = prompt_ids(engine, load_prompts(args, "calib", args.n), args.chat)
     if args.loss == "perplexity":
         return main_perplexity(engine, prompts, args, out, candidates(args))
     cal = calibrate(engine, prompts, args, full_table=args.full_table)
     print(format_table(cal, engine.model_config.num_layers, args))
     report: dict[str, Any] = {
         "provenance": provenance(),
-        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "args": {k: v for k, v in vars(args).items() if k not in ("func", "workload")},
         "rows": [dataclasses.asdict(r) for r in cal.rows],
     }
     report["threshold"] = cal.threshold
@@ -288,6 +316,13 @@ def add_calibrate_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--prompts", default=None, help="prompt file: one a line, or .jsonl with prompt")
     p.add_argument("--n", type=int, default=200, help="number of calibration prompts (at most)")
+    p.add_argument(
+        "--structured",
+        default=None,
+        choices=STRUCTURED_WORKLOADS,
+        help="calibrate constrained requests' threshold on this structured-output workload "
+        "(use --loss fields); stored as the measure's constrained threshold",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the offline prompt sets")
     p.add_argument(
         "--chat", default="no", choices=CHAT_MODES, help="chat template: no, yes, every other"

@@ -20,6 +20,7 @@ from eeserve.engine.llm_engine import LLMEngine
 from eeserve.exit_params import ExitParams
 from eeserve.llm import chat_token_ids
 from eeserve.sampling_params import SamplingParams
+from eeserve.structured_outputs import StructuredOutputsParams
 from eeserve.tuning.prompts import prompt_texts
 
 
@@ -34,10 +35,15 @@ class RunResult:
 
 
 def run_prompts(
-    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, exit_params: ExitParams
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    exit_params: ExitParams,
+    structured: StructuredOutputsParams | None = None,
 ) -> RunResult:
-    """Generate greedily; steps that prefill are left out of the decode speed."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    """Generate greedily (under ``structured`` where given); steps that prefill are left out of
+    the decode speed, and tokens a grammar forced out of the mean exit layer."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_outputs=structured)
     order = {
         engine.add_request(p, params, prompt_token_ids=p, exit_params=exit_params): i
         for i, p in enumerate(prompts)
@@ -55,7 +61,7 @@ def run_prompts(
             if o.finished and o.request_id in order:
                 done[order[o.request_id]] = o.outputs[0]
     outs_in_order = [done[i] for i in range(len(prompts))]
-    layers = [x for c in outs_in_order for x in c.exit_layers[1:]]
+    layers = [x for c in outs_in_order for x, f in zip(c.exit_layers[1:], c.forced[1:]) if not f]
     return RunResult(
         token_ids=[list(c.token_ids) for c in outs_in_order],
         texts=[c.text for c in outs_in_order],

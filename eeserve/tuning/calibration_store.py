@@ -1,8 +1,10 @@
 """Where a calibration is stored: the exit sidecar's ``exit_config.json``.
 
 Contract: ``with_calibration`` puts a calibration entry first in an ``ExitConfig`` (replacing an
-entry with the same measure, delta, epsilon, policy and loss), sets its measure's threshold and,
-unless told to keep the sidecar's default, makes it the default measure, enabled by default;
+entry with the same measure, delta, epsilon, policy, loss and workload), sets its measure's
+threshold and, unless told to keep the sidecar's default, makes it the default measure, enabled
+by default; an entry calibrated on a constrained workload (``structured``) sets the measure's
+constrained threshold only;
 ``target_folder`` says which sidecar a model's calibration goes to (``--out-config``, else the
 packaged sidecar of the default models, else the model folder); ``write_calibration``
 merges an entry into that sidecar, copying the heads (and a trained model's base delta) from
@@ -26,10 +28,16 @@ def with_calibration(
 ) -> ExitConfig:
     """A copy of ``cfg`` with ``entry`` first in ``calibration`` and its measure's threshold
     set; ``make_default``: that measure becomes the default, enabled by default."""
-    key = ("measure", "delta", "epsilon", "policy", "loss")
-    kept = [c for c in cfg.calibration if any(c.get(k) != entry[k] for k in key)]
+    key = ("measure", "delta", "epsilon", "policy", "loss", "structured")
+    kept = [c for c in cfg.calibration if any(c.get(k) != entry.get(k) for k in key)]
     measure = str(entry["measure"])
-    thresholds = {**cfg.thresholds, measure: float(entry["threshold"])}  # type: ignore[arg-type]
+    value = float(entry["threshold"])  # type: ignore[arg-type]
+    if entry.get("structured"):  # a constrained workload: the threshold of constrained requests
+        constrained = {**cfg.constrained_thresholds, measure: value}
+        return dataclasses.replace(
+            cfg, calibration=[entry, *kept], constrained_thresholds=constrained
+        )
+    thresholds = {**cfg.thresholds, measure: value}
     calibrated = dataclasses.replace(cfg, calibration=[entry, *kept], thresholds=thresholds)
     if not make_default:
         return calibrated

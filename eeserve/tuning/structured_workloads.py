@@ -1,4 +1,5 @@
-"""The structured-output benchmark's workloads: extraction into a schema, classification by choice.
+"""Structured-output workloads: extraction into a schema, classification by choice (the
+structured benchmark and constrained calibration run them).
 
 Contract: ``extraction(n)`` and ``classification(n)`` return a ``Workload``: ``n`` chat prompts
 (one user message each), the ``StructuredOutputsParams`` every request is constrained by, the
