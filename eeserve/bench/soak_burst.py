@@ -1,7 +1,8 @@
 """The soak's bursts: many requests at once, every few seconds, and what each burst saw.
 
 Contract: ``bursts(client, mix, size, every, duration, t0, hard_timeout)`` sends ``size`` requests
-of the mix at once every ``every`` seconds while ``duration`` seconds run (the first at once), waits
+of the mix at once every ``every`` seconds while ``duration`` seconds run (the first at once; each
+over ``size`` connections the client opened before it, as a load balancer's pool holds them), waits
 until every one has ended and returns one ``Burst`` per burst: its start (run seconds since ``t0``)
 and its outcomes. ``burst_record(burst, lags, health, window)`` sums one up over the ``window``
 seconds from its start: its requests by status; the time to each 429 and to each streamed request's
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eeserve.bench.serve import percentiles
+from eeserve.bench.soak_http import LeanClient
 from eeserve.bench.soak_load import STATUSES, LoadClient, Mix, Outcome, send
 from eeserve.bench.soak_report import client_lag, health_ms
 
@@ -33,6 +35,7 @@ REJECT_P50_MS = 20.0
 REJECT_P99_MS = 100.0
 HEALTH_MS = 100.0
 _PS = (50, 99, 100)  # nearest rank: p100 is the most
+_SETTLE_S = 0.5  # after opening a burst's connections, for the server to take them all in
 
 
 @dataclass
@@ -59,8 +62,12 @@ async def bursts(
     k = 0
     while k * every < duration:
         await asyncio.sleep(max(0.0, begin + k * every - time.perf_counter()))
-        # Drawn before the clock starts: the burst is its requests leaving, not building them.
+        # Built, and their connections open, before the clock starts: the burst is its requests
+        # leaving, not the client building them or the kernels shaking hands.
         reqs = [mix.draw() for _ in range(size)]
+        if isinstance(client, LeanClient):
+            await client.preconnect(size)
+            await asyncio.sleep(_SETTLE_S)
         start = time.perf_counter() - t0
         tasks = [send(client, r, t0, hard_timeout) for r in reqs]
         started.append((start, asyncio.gather(*tasks)))

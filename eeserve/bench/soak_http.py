@@ -1,19 +1,19 @@
 """The soak's HTTP client: HTTP/1.1 on asyncio streams, lean enough to time hundreds at once.
 
-Contract: ``LeanClient(base_url, headers)`` sends requests over keep-alive connections of its
-own (one per request in flight; a connection goes back to the idle ones when its response was
-read to the end, and is closed otherwise: a client that leaves a stream early hangs up, as the
-soak's planned disconnects mean to). ``stream(method, path, json=None)`` is an async context
-manager yielding a ``LeanResponse`` with ``status_code``, ``headers`` (lower-case names),
-``aread()`` and ``aiter_lines()``: the part of ``httpx.AsyncClient.stream`` that
-``soak_load.send`` uses, so that either client drives it. ``aclose()`` closes every connection.
-Any failure to connect, send or read is an ``HTTPFailure``.
+Contract: ``LeanClient(base_url, headers)`` sends requests over keep-alive connections of its own
+(one per request in flight; a connection goes back to the idle ones when its response was read to
+the end, and is closed otherwise: a client that leaves a stream early hangs up, as the soak's
+planned disconnects mean to). ``stream(method, path, json=, content=, headers=)`` is an async
+context manager yielding a ``LeanResponse`` with ``status_code``, ``headers`` (lower-case names),
+``aread()`` and ``aiter_lines()``: the part of ``httpx.AsyncClient.stream`` that ``soak_load.send``
+uses, so that either client drives it. ``preconnect(n)`` opens connections ahead of a burst;
+``aclose()`` closes every connection. Any failure to connect, send or read is an ``HTTPFailure``.
 
 Why not httpx: with 400 requests in flight its connection pool and per-request layers held the
-client's event loop for seconds (0.8-1.2 s to a 429 that a trivial server answered, the loop late
-by up to 4.8 s), so the client, not the server, set every latency it timed; this client times the
-same burst in 10-17 ms at p99. It speaks only what the soak needs: a request with a JSON body
-or none, and a response whose body has a ``Content-Length`` or is chunked.
+client's event loop for seconds (0.8-1.2 s to a 429 that a trivial server answered, the loop late by
+up to 4.8 s), so the client, not the server, set every latency it timed; this client times the same
+burst in 10-17 ms at p99. It speaks only what the soak needs: a request with a JSON body or none,
+and a response whose body has a ``Content-Length`` or is chunked.
 """
 
 from __future__ import annotations
@@ -107,11 +107,22 @@ class LeanClient:
             raise HTTPFailure(f"connect: {e}") from e
 
     @asynccontextmanager
-    async def stream(self, method: str, path: str, json: Any = None) -> AsyncIterator[LeanResponse]:
-        body = b"" if json is None else jsonlib.dumps(json).encode()
-        kind = "Content-Type: application/json\r\n" if json is not None else ""
+    async def stream(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        content: bytes = b"",
+        headers: dict[str, str] | None = None,
+    ) -> AsyncIterator[LeanResponse]:
+        body = content if json is None else jsonlib.dumps(json).encode()
+        fields = dict(headers or {})
+        if json is not None:
+            fields["content-type"] = "application/json"
+        extra = "".join(f"{k}: {v}\r\n" for k, v in fields.items())
         head = (
-            f"{method} {path} HTTP/1.1\r\n{self._headers}{kind}Content-Length: {len(body)}\r\n\r\n"
+            f"{method} {path} HTTP/1.1\r\n{self._headers}{extra}Content-Length: {len(body)}\r\n\r\n"
         )
         request = head.encode() + body
         reader, writer = await self._connect(reuse=True)
@@ -144,6 +155,16 @@ class LeanClient:
                 raise
             raise _Stale from e
         return LeanResponse(reader, head)
+
+    async def preconnect(self, n: int) -> None:
+        """Have ``n`` open idle connections (a closed one is replaced), as a load balancer's
+        pool would keep them."""
+        for reader, writer in self._idle:
+            if reader.at_eof():
+                writer.close()
+        self._idle = [(r, w) for r, w in self._idle if not r.at_eof()]
+        while len(self._idle) < n:
+            self._idle.append(await self._connect(reuse=False))
 
     async def aclose(self) -> None:
         for _, writer in self._idle:
