@@ -87,35 +87,31 @@ def test_admission_limits_and_release() -> None:
     assert adm.running_requests == 0 and adm.running == Cost(0, 0)
 
 
-def test_reservations_count_before_tokenizing_and_near_the_limit_exactly() -> None:
-    """A reservation holds the most a request can cost while it is tokenized; near a limit it
-    holds the least and the exact cost decides; a bound the exact cost breaks is checked too."""
+def test_reservations_hold_the_least_and_the_exact_cost_decides() -> None:
+    """A request in preparation holds the least it can cost; once tokenized, its exact cost is
+    checked against the queue as it is then (near a limit: refused after tokenizing), except for
+    one that found the queue empty."""
     adm = _admission(10, 100)
-    first = adm.reserve(Estimate(choices=1, low=Cost(1, 10), high=Cost(60, 10)))
-    assert not first.exact and adm.waiting_requests == 1 and adm.queued_tokens == 70
-    # 70 + 40 would pass the token limit: held at its least, checked exactly once tokenized.
-    near = adm.reserve(Estimate(choices=1, low=Cost(1, 10), high=Cost(30, 10)))
-    assert near.exact and adm.queued_tokens == 81
-    adm.settle(first, [Cost(50, 10)])  # the exact cost replaces the bound
-    assert adm.queued_tokens == 71
-    with pytest.raises(Overloaded) as e:  # 60 + 41 > 100: refused after tokenizing
-        adm.settle(near, [Cost(31, 10)])
-    assert e.value.limit == Limit.QUEUED_TOKENS and adm.queued_tokens == 60
-    again = adm.reserve(Estimate(choices=1, low=Cost(1, 10), high=Cost(20, 10)))
-    adm.settle(again, [Cost(20, 10)])
-    assert adm.queued_tokens == 90 and adm.waiting_requests == 2
+    big = adm.reserve(Estimate(choices=1, low=Cost(1, 10)))  # the queue is empty
+    held = adm.reserve(Estimate(choices=1, low=Cost(1, 10)))
+    assert adm.waiting_requests == 2 and adm.queued_tokens == 22
+    adm.settle(big, [Cost(150, 10)])  # over the limit alone, but it came first
+    assert adm.queued_tokens == 171
+    with pytest.raises(Overloaded) as e:  # 160 + 20 > 100: refused once tokenized
+        adm.settle(held, [Cost(10, 10)])
+    assert e.value.limit == Limit.QUEUED_TOKENS and adm.queued_tokens == 160
+    with pytest.raises(Overloaded):  # even its least does not fit now: refused untokenized
+        adm.reserve(Estimate(choices=1, low=Cost(1, 10)))
+    adm.started(Cost(150, 10))
+    fits = adm.reserve(Estimate(choices=2, low=Cost(2, 20)))
+    adm.settle(fits, [Cost(20, 10), Cost(30, 10)])
+    assert adm.queued_tokens == 70 and adm.waiting_requests == 2
     with pytest.raises(ValueError, match="settled or released"):
-        adm.settle(again, [Cost(20, 10)])
-    # Released unsettled (a 400 while tokenizing): nothing is left held.
-    late = adm.reserve(Estimate(choices=1, low=Cost(1, 1), high=Cost(5, 5)))
+        adm.settle(fits, [Cost(20, 10), Cost(30, 10)])
+    late = adm.reserve(Estimate(choices=1, low=Cost(1, 1)))  # given back unsettled (a 400)
     late.release()
     late.release()
-    assert adm.queued_tokens == 90 and adm.waiting_requests == 2
-    # A cost above its bound (a tokenizer that breaks it) is checked like one near the limit.
-    bent = adm.reserve(Estimate(choices=1, low=Cost(1, 1), high=Cost(2, 1)))
-    with pytest.raises(Overloaded):
-        adm.settle(bent, [Cost(40, 1)])
-    assert adm.queued_tokens == 90
+    assert adm.queued_tokens == 70 and adm.waiting_requests == 2
 
 
 def test_limits_default_to_the_engine_and_reject_nonsense(tiny_model_dir: Path) -> None:

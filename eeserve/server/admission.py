@@ -18,11 +18,11 @@ no first token yet) and running (generating). Reserved and waiting requests are 
   limit: more than ``max_waiting_requests`` requests, more than ``max_queued_tokens`` tokens, or, at
   the throughput measured over the recent past (``rates()``, a ``throughput.ThroughputMeter``'s), a
   first token later than ``max_queue_seconds`` from now (``throughput.start_delay``). Otherwise it
-  returns a ``Ticket`` that holds the most the request can cost (``Estimate.high``), or, when that
-  would pass a limit (a request near one), the least, marked for an exact check.
-- ``settle(ticket, costs)``, once tokenized, replaces the reservation with the exact costs, checking
-  them against the token and seconds limits first where the ticket is marked or where they exceed
-  what it holds (``Overloaded`` then, and the reservation is given back).
+  returns a ``Ticket`` that holds that least in the queue while the request is prepared.
+- ``settle(ticket, costs)``, once tokenized, checks the exact costs against the same limits (the
+  queue as it is then, without the ticket; not for a request that found the queue empty) and puts
+  them in the queue in the ticket's place (``Overloaded`` when they pass a limit: only a request
+  near one, whose least fitted, gets this far and is refused).
 - ``Ticket.release()`` gives back a reservation that was not settled (a 400, a shutdown); it does
   nothing after ``settle`` or a release.
 - ``started(cost)`` when a waiting request produces its first output, ``released(cost)`` when it
@@ -128,16 +128,15 @@ def total(costs: list[Cost]) -> Cost:
 
 @dataclass(frozen=True, kw_only=True)
 class Estimate:
-    """What a request may cost, known before it is tokenized: its choices and the least and
-    the most its tokens can be, summed over the choices."""
+    """What a request may cost, known before it is tokenized: its choices and the least its
+    tokens can be, summed over the choices."""
 
     choices: int
     low: Cost
-    high: Cost
 
     @classmethod
     def exact(cls, costs: list[Cost]) -> Estimate:
-        return cls(choices=len(costs), low=total(costs), high=total(costs))
+        return cls(choices=len(costs), low=total(costs))
 
 
 class Overloaded(RuntimeError):
@@ -152,11 +151,11 @@ class Overloaded(RuntimeError):
 class Ticket:
     """A reservation in the queue: ``choices`` requests holding ``held`` tokens."""
 
-    def __init__(self, admission: Admission, choices: int, held: Cost, exact: bool) -> None:
+    def __init__(self, admission: Admission, choices: int, held: Cost, first: bool) -> None:
         self.admission = admission
         self.choices = choices
         self.held = held
-        self.exact = exact  # held is the least the request can cost: check it exactly
+        self.first = first  # it found the queue empty: admitted whatever it costs
         self.open = True
 
     def release(self) -> None:
@@ -196,20 +195,21 @@ class Admission:
         refusal = self._refusal(estimate.choices, estimate.low)
         if refusal is not None:
             raise _overloaded(refusal)
-        near = self._refusal(estimate.choices, estimate.high) is not None
-        held = estimate.low if near else estimate.high
-        self.put(estimate.choices, held)
-        return Ticket(self, estimate.choices, held, near)
+        # Held at its least, not its most: a bound from bytes is several times the tokens of
+        # most text, and a burst's reservations held at it refused requests the queue had room
+        # for (docs/server.md, "Refusals before the expensive work").
+        first = self.waiting_requests == 0
+        self.put(estimate.choices, estimate.low)
+        return Ticket(self, estimate.choices, estimate.low, first)
 
     def settle(self, ticket: Ticket, costs: list[Cost]) -> None:
         if not ticket.open:
             raise ValueError("the ticket was settled or released already")
-        exact, held = total(costs), ticket.held
         ticket.release()
-        if ticket.exact or exact.prompt > held.prompt or exact.output > held.output:
-            refusal = self._refusal(len(costs), exact)
-            if refusal is not None:
-                raise _overloaded(refusal)
+        exact = total(costs)
+        refusal = None if ticket.first else self._refusal(len(costs), exact)
+        if refusal is not None:
+            raise _overloaded(refusal)
         self.put(len(costs), exact)
 
     def started(self, cost: Cost) -> None:

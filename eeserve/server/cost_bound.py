@@ -1,19 +1,18 @@
-"""What a request may cost before it is templated and tokenized: admission control's cheap bound.
+"""What a request may cost before it is templated and tokenized: admission control's cheap bounds.
 
-Contract: ``PromptBounds.of(tokenizer)`` measures once, at startup, what the tokenizer adds to a
-text beside its bytes (its special tokens, and one more for a leading-space marker) and what the
-chat template adds around messages (the bytes it renders around one empty user message, and the
-most one more empty message of any role adds). ``estimate(bounds, info, req)`` returns the
-request's ``admission.Estimate`` from its body alone: its engine requests (choices;
-``prepare.check_choices``: a 400 beyond the most) and, summed over them, the least and the most
-their tokens can be. A text prompt has at least 1 token and at most its UTF-8 bytes plus what
-the tokenizer adds (every token of a byte-level or byte-fallback vocabulary covers at least one
-byte); chat messages at most their bytes plus what the template renders around them; token ids
-are counted as they are. Output tokens are ``max_tokens`` (``prepare``'s defaults: 16 for a
-completion; for a chat request without it, the room the context leaves after the prompt, whose
-least and most follow from the prompt's most and least). The most is a bound for such
-tokenizers and templates, not a promise for every one: admission control checks exactly any
-request whose tokens turn out to exceed it.
+Contract: ``estimate(bounds, info, req)`` returns the request's ``admission.Estimate`` from its body
+alone: its engine requests (choices; ``prepare.check_choices``: a 400 beyond the most) and, summed
+over them, the least their tokens can be: one token per text prompt (token ids as they are), and
+``max_tokens`` of output (``prepare``'s defaults: 16 for a completion; for a chat request without
+it, the room the context leaves after the prompt, which is at least what the prompt's most leaves).
+``chat_prompt_bound(bounds, info, req)`` is that most: the UTF-8 bytes of the messages plus what
+the chat template renders around them and what the tokenizer adds (every token of a byte-level or
+byte-fallback vocabulary covers at least one byte of text). ``PromptBounds.of(tokenizer)`` measures
+once, at startup, what the tokenizer adds to a text beside its bytes (its special tokens, and one
+more for a leading-space marker) and what the template adds around messages (the bytes it renders
+around one empty user message, and the most one more empty message of any role adds). The most is a
+bound for such tokenizers and templates, not a promise for every one (where it fails, a chat
+request without ``max_tokens`` is counted at more output than it will ask for).
 """
 
 from __future__ import annotations
@@ -65,28 +64,23 @@ def _rendered_bytes(tokenizer: Any, messages: list[dict[str, str]]) -> int | Non
 def estimate(bounds: PromptBounds, info: ModelInfo, req: GenerationRequest) -> Estimate:
     if isinstance(req, ChatCompletionRequest):
         check_choices(req.n)
-        high = _chat_bytes(bounds, info, req) + bounds.special
-        out = req.max_completion_tokens or req.max_tokens
         n = req.n
-        if out is not None:
-            return Estimate(choices=n, low=Cost(n, n * out), high=Cost(n * high, n * out))
-        room = info.max_model_len
-        return Estimate(
-            choices=n,
-            low=Cost(n, n * max(1, room - high)),
-            high=Cost(n * high, n * max(1, room - 1)),
-        )
+        out = req.max_completion_tokens or req.max_tokens
+        if out is None:  # prepare's default: the context's room, at least what the most leaves
+            out = max(1, info.max_model_len - chat_prompt_bound(bounds, info, req))
+        return Estimate(choices=n, low=Cost(n, n * out))
     p = req.prompt
     prompts: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     check_choices(len(prompts) * req.n)
     out = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-    low = high = 0
-    for prompt in prompts:
-        exact = not isinstance(prompt, str)
-        low += len(prompt) if exact else 1
-        high += len(prompt) if exact else len(prompt.encode()) + bounds.special
-    n, k = req.n, req.n * len(prompts)
-    return Estimate(choices=k, low=Cost(n * low, k * out), high=Cost(n * high, k * out))
+    least = sum(1 if isinstance(prompt, str) else len(prompt) for prompt in prompts)
+    k = req.n * len(prompts)
+    return Estimate(choices=k, low=Cost(req.n * least, k * out))
+
+
+def chat_prompt_bound(bounds: PromptBounds, info: ModelInfo, req: ChatCompletionRequest) -> int:
+    """The most tokens the chat template and the tokenizer can make of ``req``'s messages."""
+    return _chat_bytes(bounds, info, req) + bounds.special
 
 
 def _chat_bytes(bounds: PromptBounds, info: ModelInfo, req: ChatCompletionRequest) -> int:
