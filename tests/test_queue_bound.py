@@ -109,6 +109,28 @@ def test_seconds_bound_refuses_when_the_measured_rate_says_so() -> None:
     assert adm.waiting_requests == 4
 
 
+def test_seconds_bound_counts_untokenized_prompts_at_the_tokens_per_byte_seen() -> None:
+    """A request's text, before it is tokenized, counts in seconds at the tokens per byte of
+    the requests settled before it: a burst's requests in preparation are not free."""
+    meter = ThroughputMeter()
+    meter.record(1.0, 100, 0)  # 100 prompt tokens a second
+    meter.record(1.0, 0, 10)
+    limits = AdmissionLimits(max_waiting_requests=100, max_queued_tokens=10**6, max_queue_seconds=5)
+    adm = Admission(limits, Capacity(slots=64, pool_tokens=10**6), meter.rates)
+    text = Estimate(choices=1, low=Cost(1, 10), prompt_bytes=400)
+    first = adm.reserve(text)  # nothing settled yet: its least
+    adm.settle(first, [Cost(100, 10)])  # 100 tokens from 400 bytes: a token per 4 bytes
+    assert adm.queue_seconds() == 1.0
+    held = [adm.reserve(text) for _ in range(3)]  # likely 100 tokens each: 4 s of prompt
+    assert adm.queued_tokens == 110 + 3 * 11 and adm.queue_seconds() == 4.0
+    with pytest.raises(Overloaded) as e:  # its own 800 bytes: likely 200 tokens, 6 s > 5 s
+        adm.reserve(Estimate(choices=1, low=Cost(1, 10), prompt_bytes=800))
+    assert e.value.limit == Limit.QUEUE_SECONDS
+    for ticket in held:
+        ticket.release()
+    assert adm.queue_seconds() == 1.0 and adm.queued_tokens == 110
+
+
 # -- the cheap bound -----------------------------------------------------------------------------
 
 

@@ -18,7 +18,11 @@ no first token yet) and running (generating). Reserved and waiting requests are 
   limit: more than ``max_waiting_requests`` requests, more than ``max_queued_tokens`` tokens, or, at
   the throughput measured over the recent past (``rates()``, a ``throughput.ThroughputMeter``'s), a
   first token later than ``max_queue_seconds`` from now (``throughput.start_delay``). Otherwise it
-  returns a ``Ticket`` that holds that least in the queue while the request is prepared.
+  returns a ``Ticket`` that holds that least in the queue while the request is prepared. The
+  estimate in seconds counts the prompts of requests not tokenized yet (its own and those in
+  preparation) at the tokens per byte of text that the last ``_FINISHED_WINDOW`` requests settled
+  had, not at their least: a burst's requests in preparation are otherwise nearly free to it, and
+  are refused only once tokenized.
 - ``settle(ticket, costs)``, once tokenized, checks the exact costs against the same limits (the
   queue as it is then, without the ticket; not for a request that found the queue empty) and puts
   them in the queue in the ticket's place (``Overloaded`` when they pass a limit: only a request
@@ -128,11 +132,12 @@ def total(costs: list[Cost]) -> Cost:
 
 @dataclass(frozen=True, kw_only=True)
 class Estimate:
-    """What a request may cost, known before it is tokenized: its choices and the least its
-    tokens can be, summed over the choices."""
+    """What a request may cost, known before it is tokenized: its choices, the least its tokens
+    can be and the UTF-8 bytes its text prompts come from (0: none), summed over the choices."""
 
     choices: int
     low: Cost
+    prompt_bytes: int = 0
 
     @classmethod
     def exact(cls, costs: list[Cost]) -> Estimate:
@@ -149,19 +154,22 @@ class Overloaded(RuntimeError):
 
 
 class Ticket:
-    """A reservation in the queue: ``choices`` requests holding ``held`` tokens."""
+    """A reservation in the queue: ``choices`` requests holding ``held`` tokens, and likely
+    ``likely`` more prompt tokens than that (what the queue's estimate in seconds counts)."""
 
-    def __init__(self, admission: Admission, choices: int, held: Cost, first: bool) -> None:
+    def __init__(self, admission: Admission, estimate: Estimate, likely: int, first: bool) -> None:
         self.admission = admission
-        self.choices = choices
-        self.held = held
+        self.choices = estimate.choices
+        self.held = estimate.low
+        self.prompt_bytes = estimate.prompt_bytes
+        self.likely = likely
         self.first = first  # it found the queue empty: admitted whatever it costs
         self.open = True
 
     def release(self) -> None:
         if self.open:
             self.open = False
-            self.admission.take(self.choices, self.held)
+            self.admission.take(self.choices, self.held, self.likely)
 
 
 @dataclass(frozen=True)
@@ -185,32 +193,44 @@ class Admission:
         self.queued = Cost(0, 0)
         self.running_requests = 0
         self.running = Cost(0, 0)
+        self._likely = 0  # prompt tokens the open tickets likely hold beyond their least
         self._generated: deque[int] = deque(maxlen=_FINISHED_WINDOW)
+        self._per_byte: deque[tuple[int, int]] = deque(maxlen=_FINISHED_WINDOW)
 
     @property
     def queued_tokens(self) -> int:
         return self.queued.tokens
 
     def reserve(self, estimate: Estimate) -> Ticket:
-        refusal = self._refusal(estimate.choices, estimate.low)
+        likely = self._likely_prompt(estimate) - estimate.low.prompt
+        refusal = self._refusal(estimate.choices, estimate.low, likely)
         if refusal is not None:
             raise _overloaded(refusal)
         # Held at its least, not its most: a bound from bytes is several times the tokens of
         # most text, and a burst's reservations held at it refused requests the queue had room
         # for (docs/server.md, "Refusals before the expensive work").
         first = self.waiting_requests == 0
-        self.put(estimate.choices, estimate.low)
-        return Ticket(self, estimate.choices, estimate.low, first)
+        self.put(estimate.choices, estimate.low, likely)
+        return Ticket(self, estimate, likely, first)
 
     def settle(self, ticket: Ticket, costs: list[Cost]) -> None:
         if not ticket.open:
             raise ValueError("the ticket was settled or released already")
         ticket.release()
         exact = total(costs)
+        if ticket.prompt_bytes:
+            self._per_byte.append((exact.prompt, ticket.prompt_bytes))
         refusal = None if ticket.first else self._refusal(len(costs), exact)
         if refusal is not None:
             raise _overloaded(refusal)
         self.put(len(costs), exact)
+
+    def _likely_prompt(self, estimate: Estimate) -> int:
+        """Its prompt tokens as the requests settled lately had them per byte of text (the
+        least, until one has)."""
+        tokens = sum(t for t, _ in self._per_byte)
+        per_byte = tokens / max(1, sum(b for _, b in self._per_byte))
+        return max(estimate.low.prompt, round(estimate.prompt_bytes * per_byte))
 
     def started(self, cost: Cost) -> None:
         self.take(1, cost)
@@ -226,15 +246,17 @@ class Admission:
         self.running_requests -= 1
         self.running = Cost(self.running.prompt - cost.prompt, self.running.output - cost.output)
 
-    def put(self, requests: int, cost: Cost) -> None:
+    def put(self, requests: int, cost: Cost, likely: int = 0) -> None:
         """Add to the queue (``reserve`` and ``settle`` do; public for ``Ticket``)."""
         self.waiting_requests += requests
         self.queued = Cost(self.queued.prompt + cost.prompt, self.queued.output + cost.output)
+        self._likely += likely
 
-    def take(self, requests: int, cost: Cost) -> None:
+    def take(self, requests: int, cost: Cost, likely: int = 0) -> None:
         """Take out of the queue: the counterpart of ``put``."""
         self.waiting_requests -= requests
         self.queued = Cost(self.queued.prompt - cost.prompt, self.queued.output - cost.output)
+        self._likely -= likely
 
     def refusal_for_any(self) -> Overloaded | None:
         """The refusal of any request, whatever it asks: even one engine request of one prompt
@@ -246,8 +268,9 @@ class Admission:
         delay = self._delay(0, Cost(0, 0))
         return math.nan if delay is None else delay
 
-    def _delay(self, choices: int, cost: Cost) -> float | None:
-        """Seconds until a group of ``choices`` costing ``cost`` would start (None: no rates)."""
+    def _delay(self, choices: int, cost: Cost, likely: int = 0) -> float | None:
+        """Seconds until a group of ``choices`` costing ``cost`` (and likely ``likely`` more
+        prompt tokens) would start (None: no rates)."""
         rates = self.rates()
         if rates is None:
             return None
@@ -255,19 +278,20 @@ class Admission:
             running=self.running_requests,
             waiting=self.waiting_requests,
             joining=choices,
-            prompt=self.queued.prompt + cost.prompt,
+            prompt=self.queued.prompt + self._likely + cost.prompt + likely,
             tokens=self.running.tokens + self.queued.tokens + cost.tokens,
             output=self.running.output + self.queued.output + cost.output,
             generated=sum(self._generated) / len(self._generated) if self._generated else None,
         )
         return start_delay(queue, rates, self.capacity)
 
-    def _refusal(self, choices: int, cost: Cost) -> _Refusal | None:
-        """The limit a group of ``choices`` costing ``cost`` would pass, or None."""
+    def _refusal(self, choices: int, cost: Cost, likely: int = 0) -> _Refusal | None:
+        """The limit a group of ``choices`` costing ``cost`` (and likely ``likely`` more prompt
+        tokens: the estimate in seconds counts them, the hard caps do not) would pass, or None."""
         waiting, lim = self.waiting_requests, self.limits
         if waiting == 0:
             return None
-        delay = self._delay(choices, cost)
+        delay = self._delay(choices, cost, likely)
         if waiting + choices > lim.max_waiting_requests:
             share = (waiting + choices - lim.max_waiting_requests) / waiting
             what = f"{waiting} requests wait (limit {lim.max_waiting_requests})"

@@ -2,17 +2,18 @@
 
 Contract: ``estimate(bounds, info, req)`` returns the request's ``admission.Estimate`` from its body
 alone: its engine requests (choices; ``prepare.check_choices``: a 400 beyond the most) and, summed
-over them, the least their tokens can be: one token per text prompt (token ids as they are), and
+over them, the UTF-8 bytes of their text prompts (a chat request's: ``chat_prompt_bound``'s bytes)
+and the least their tokens can be: one token per text prompt (token ids as they are), and
 ``max_tokens`` of output (``prepare``'s defaults: 16 for a completion; for a chat request without
 it, the room the context leaves after the prompt, which is at least what the prompt's most leaves).
-``chat_prompt_bound(bounds, info, req)`` is that most: the UTF-8 bytes of the messages plus what
-the chat template renders around them and what the tokenizer adds (every token of a byte-level or
+``chat_prompt_bound(bounds, info, req)`` is that most: the UTF-8 bytes of the messages plus what the
+chat template renders around them and what the tokenizer adds (every token of a byte-level or
 byte-fallback vocabulary covers at least one byte of text). ``PromptBounds.of(tokenizer)`` measures
 once, at startup, what the tokenizer adds to a text beside its bytes (its special tokens, and one
 more for a leading-space marker) and what the template adds around messages (the bytes it renders
 around one empty user message, and the most one more empty message of any role adds). The most is a
-bound for such tokenizers and templates, not a promise for every one (where it fails, a chat
-request without ``max_tokens`` is counted at more output than it will ask for).
+bound for such tokenizers and templates, not a promise for every one (where it fails, a chat request
+without ``max_tokens`` is counted at more output than it will ask for).
 """
 
 from __future__ import annotations
@@ -66,16 +67,18 @@ def estimate(bounds: PromptBounds, info: ModelInfo, req: GenerationRequest) -> E
         check_choices(req.n)
         n = req.n
         out = req.max_completion_tokens or req.max_tokens
+        text = _chat_bytes(bounds, info, req)
         if out is None:  # prepare's default: the context's room, at least what the most leaves
-            out = max(1, info.max_model_len - chat_prompt_bound(bounds, info, req))
-        return Estimate(choices=n, low=Cost(n, n * out))
+            out = max(1, info.max_model_len - text - bounds.special)
+        return Estimate(choices=n, low=Cost(n, n * out), prompt_bytes=n * text)
     p = req.prompt
     prompts: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     check_choices(len(prompts) * req.n)
     out = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
     least = sum(1 if isinstance(prompt, str) else len(prompt) for prompt in prompts)
+    text = sum(len(prompt.encode()) for prompt in prompts if isinstance(prompt, str))
     k = req.n * len(prompts)
-    return Estimate(choices=k, low=Cost(req.n * least, k * out))
+    return Estimate(choices=k, low=Cost(req.n * least, k * out), prompt_bytes=req.n * text)
 
 
 def chat_prompt_bound(bounds: PromptBounds, info: ModelInfo, req: ChatCompletionRequest) -> int:
