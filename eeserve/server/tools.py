@@ -70,7 +70,7 @@ class ToolPlan:
 
 def tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
     if not req.tools:
-        if req.tool_choice not in (None, "none"):
+        if req.tool_choice not in (None, ToolChoiceMode.NONE.value):
             raise ConstraintError("tool_choice needs tools to choose from", "tool_choice")
         return None
     names = [t.function.name for t in req.tools]
