@@ -234,7 +234,8 @@ def test_killed_replica_fails_its_requests_then_recovers(replicas: str) -> None:
 def test_admission_limits_apply_through_replicas(replicas: str, tiny_model_dir: Path) -> None:
     """Replicas of one running slot and one waiting request each: a burst beyond that is
     answered 429 with Retry-After and the OpenAI body by the replicas themselves (Ray's own queue
-    limit lies above theirs), counted in /metrics; a request's time limit ends it with 504."""
+    limit lies above theirs), counted in /metrics; every replica applies the queue bound in
+    seconds; a request's time limit ends it with 504."""
     from ray import serve
 
     serve.delete(APP_NAME)  # the module's deployment holds both CPUs
@@ -245,7 +246,7 @@ def test_admission_limits_apply_through_replicas(replicas: str, tiny_model_dir: 
         replicas=2,
         threads=1,
         shutdown_timeout=5,
-        limits=ServingLimits(max_waiting_requests=1),
+        limits=ServingLimits(max_waiting_requests=1, max_queue_seconds=7.5),
     )
     deployed = launch_replicas(opts, HOST, int(replicas.rsplit(":", 1)[1]))
     try:
@@ -275,6 +276,12 @@ def test_admission_limits_apply_through_replicas(replicas: str, tiny_model_dir: 
                 break
             time.sleep(0.5)
         assert rejected == statuses.count(429)
+        bounds = [
+            v
+            for n, labels, v in _metrics(replicas)
+            if n == "eeserve_admission_limit" and labels["limit"] == "queue_seconds"
+        ]
+        assert bounds == [7.5, 7.5]  # each replica's own bound, on its own queue
 
         timed = httpx.post(
             f"{replicas}/v1/completions",
