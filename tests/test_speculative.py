@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from eeserve import LLM, SamplingParams
 from eeserve.cli import main
@@ -22,7 +21,7 @@ from tests.distribution_checks import chi_square, sample_in_batches, second_toke
 from tests.tiny_model import (
     assert_cache_matches_hf,
     assert_engine_clean,
-    build_tiny_model,
+    build_agreeing_model,
     kv_block_bytes,
     load_hf,
     run_together,
@@ -54,18 +53,7 @@ def _tokens(llm: LLM, prompts: list[str], exit_params: ExitParams, params=GREEDY
 def agreeing_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama whose last layer barely changes the hidden state: the logit lens at layer
     L - 1 mostly agrees with full depth, so drafts are both accepted and rejected."""
-    folder = build_tiny_model(
-        tmp_path_factory.mktemp("spec") / "agree", weight_std=0.2, norm_noise=0.1, seed=3
-    )
-    path = folder / "model.safetensors"
-    state = load_file(str(path))
-    for name in list(state):
-        if name.startswith(f"model.layers.{L - 1}.") and name.endswith(
-            ("o_proj.weight", "down_proj.weight")
-        ):
-            state[name] = state[name] * 0.15
-    save_file(state, str(path), metadata={"format": "pt"})
-    return folder
+    return build_agreeing_model(tmp_path_factory.mktemp("spec") / "agree", L)
 
 
 @pytest.fixture(scope="module")

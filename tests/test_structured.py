@@ -10,11 +10,15 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from safetensors.torch import load_file, save_file
 
 from eeserve import LLM, SamplingParams, StructuredOutputsParams
 from eeserve.exit_params import ExitParams
-from tests.tiny_model import build_tiny_model, make_llm, run_together, with_random_tuned_heads
+from tests.tiny_model import (
+    build_agreeing_model,
+    make_llm,
+    run_together,
+    with_random_tuned_heads,
+)
 
 L = 4
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):", "One two three"]
@@ -62,17 +66,7 @@ def params(name: str, temperature: float = 0.0, **kw: object) -> SamplingParams:
 def agreeing_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama whose last layer barely changes the hidden state, with tuned heads at 1-3:
     drafts at the exits are both accepted and rejected."""
-    folder = build_tiny_model(
-        tmp_path_factory.mktemp("structured") / "agree", weight_std=0.2, norm_noise=0.1, seed=3
-    )
-    path = folder / "model.safetensors"
-    state = load_file(str(path))
-    for name in list(state):
-        if name.startswith(f"model.layers.{L - 1}.") and name.endswith(
-            ("o_proj.weight", "down_proj.weight")
-        ):
-            state[name] = state[name] * 0.15
-    save_file(state, str(path), metadata={"format": "pt"})
+    folder = build_agreeing_model(tmp_path_factory.mktemp("structured") / "agree", L)
     return with_random_tuned_heads(folder, folder.parent / "tuned", [1, 2, 3], 5)
 
 

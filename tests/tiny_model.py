@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -401,3 +401,18 @@ def with_random_tuned_heads(
             p.add_(torch.randn(p.shape, generator=gen) * 0.1)
     save_sidecar(dst, cfg, heads)
     return dst
+
+
+def build_agreeing_model(folder: Path, num_layers: int = 4) -> Path:
+    """A tiny Llama whose last layer barely changes the hidden state: the logit lens at the layer
+    below mostly agrees with full depth, so drafts are both accepted and rejected."""
+    build_tiny_model(folder, weight_std=0.2, norm_noise=0.1, seed=3, num_layers=num_layers)
+    path = folder / "model.safetensors"
+    state = load_file(str(path))
+    for name in list(state):
+        if name.startswith(f"model.layers.{num_layers - 1}.") and name.endswith(
+            ("o_proj.weight", "down_proj.weight")
+        ):
+            state[name] = state[name] * 0.15
+    save_file(state, str(path), metadata={"format": "pt"})
+    return folder

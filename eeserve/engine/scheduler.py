@@ -19,7 +19,8 @@ that pass only when those positions reach its last token.
   sequence, one token each).
 
 A constrained sequence whose grammar forced tokens after its last one (jump-forward) has
-several new positions: they get their slots as a decode row does and are computed as a chunk.
+several new positions: they get their slots as a decode row does and are computed together in
+the next pass, as its decode rows, outside the prompt budget.
 When a decode row cannot get a block, the most recently admitted sequence is preempted: its
 blocks are freed and it waits at the head of the queue to be recomputed later (from its prefix
 cache hits, if any), so its output does not change. Requests that could never fit are refused
@@ -106,11 +107,13 @@ class Scheduler:
     def _schedule_mixed(self) -> SchedulerOutput:
         """Decode rows of every running sequence, then prompt chunks within the budget."""
         kept, preempted = self._reserve([s for s in self.running if self._grows(s)])
-        kept = [s for s in kept if s.num_new_tokens == 1]
-        prefilling = [s for s in self.running if s.num_new_tokens > 1]
+        # A forced run is decoding too: whole, outside the budget (its tokens would otherwise
+        # take a pass each).
+        counts = [s.num_new_tokens for s in kept]
+        prefilling = [s for s in self.running if s.num_new_tokens > 1 and s not in kept]
         budget: float = self.config.max_num_batched_tokens
-        budget -= sum(1 + len(s.owed) for s in kept)
-        seqs, counts = list(kept), [1] * len(kept)
+        budget -= sum(n + len(s.owed) for s, n in zip(kept, counts))
+        seqs = list(kept)
         for seq in prefilling:
             if budget <= 0:
                 break
