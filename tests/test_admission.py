@@ -216,8 +216,18 @@ def test_server_request_timeout_flag(tiny_model_dir: Path) -> None:
 
 # -- a live server -------------------------------------------------------------------------------
 
-# One running slot; behind it at most 2 waiting requests holding 300 tokens.
-LIMIT_ARGS = ("--max-num-seqs", "1", "--max-waiting-requests", "2", "--max-queued-tokens", "300")
+# One running slot; behind it at most 2 waiting requests holding 300 tokens; no bound in seconds
+# (the slot's stream of HOLD tokens would put what waits behind it past any).
+LIMIT_ARGS = (
+    "--max-num-seqs",
+    "1",
+    "--max-waiting-requests",
+    "2",
+    "--max-queued-tokens",
+    "300",
+    "--max-queue-seconds",
+    "inf",
+)
 HOLD = 6000  # tokens of the stream that holds the running slot (seconds of engine steps)
 
 
