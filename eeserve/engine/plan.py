@@ -76,10 +76,9 @@ def resolve_exit_plan(
         threshold = calibrated_threshold(
             cfg, params.tolerance, measure, ExitPolicy.PER_SEQUENCE if eager else policy
         )
-    if threshold is None and constrained:
-        threshold = cfg.constrained_thresholds.get(measure)
     if threshold is None:
-        threshold = cfg.thresholds.get(measure)
+        stored = cfg.constrained_thresholds if constrained else {}
+        threshold = stored.get(measure, cfg.thresholds.get(measure))
     if threshold is None:
         raise ValueError(
             "no exit threshold given and the model's exit config has no default for "

@@ -71,6 +71,10 @@ DEFAULT_CANDIDATES = {
     "shortlist_max_prob": _SHORTLIST_CANDIDATES,
 }
 LOSSES = ("rouge", "tokens", "fields")
+STRUCTURED_HELP = (
+    "calibrate constrained requests' threshold on this structured-output workload (use --loss "
+    "fields); stored as the measure's constrained threshold"
+)
 CHAT_MODES = ("no", "yes", "mixed")
 
 
@@ -316,13 +320,7 @@ def add_calibrate_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--prompts", default=None, help="prompt file: one a line, or .jsonl with prompt")
     p.add_argument("--n", type=int, default=200, help="number of calibration prompts (at most)")
-    p.add_argument(
-        "--structured",
-        default=None,
-        choices=STRUCTURED_WORKLOADS,
-        help="calibrate constrained requests' threshold on this structured-output workload "
-        "(use --loss fields); stored as the measure's constrained threshold",
-    )
+    p.add_argument("--structured", default=None, choices=STRUCTURED_WORKLOADS, help=STRUCTURED_HELP)
     p.add_argument("--seed", type=int, default=0, help="seed of the offline prompt sets")
     p.add_argument(
         "--chat", default="no", choices=CHAT_MODES, help="chat template: no, yes, every other"
