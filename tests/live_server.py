@@ -58,3 +58,9 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise AssertionError(f"server did not exit:\n{self.output()}") from None
+
+
+def api_client(server: Server, api_key: str, timeout: float = 60) -> httpx.Client:
+    """An httpx client of ``server``'s API with the bearer key (close it, or use ``with``)."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    return httpx.Client(base_url=server.base, headers=headers, timeout=timeout)

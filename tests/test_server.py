@@ -22,7 +22,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from tests.live_server import Server
+from tests.live_server import Server, api_client
 
 openai = pytest.importorskip("openai")
 
@@ -54,8 +54,7 @@ def client(server: Server) -> Any:
 
 @pytest.fixture(scope="module")
 def http(server: Server) -> Iterator[httpx.Client]:
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=server.base, headers=headers, timeout=60) as c:
+    with api_client(server, API_KEY) as c:
         yield c
 
 

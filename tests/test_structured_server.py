@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.live_server import Server
+from tests.live_server import Server, api_client
 
 openai = pytest.importorskip("openai")
 
@@ -56,8 +56,7 @@ def client(server: Server) -> Any:
 
 @pytest.fixture(scope="module")
 def http(server: Server) -> Iterator[httpx.Client]:
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=server.base, headers=headers, timeout=60) as c:
+    with api_client(server, API_KEY) as c:
         yield c
 
 

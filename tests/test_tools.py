@@ -21,7 +21,7 @@ import pytest
 from eeserve.server.protocol import ChatCompletionRequest
 from eeserve.server.tool_output import ToolStream, split_output, tool_message
 from eeserve.server.tools import output_constraint, prompt_messages, template_takes_tools
-from tests.live_server import Server
+from tests.live_server import Server, api_client
 from tests.tiny_model import build_tiny_model, build_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -78,8 +78,7 @@ def client(server: Server) -> Any:
 
 @pytest.fixture(scope="module")
 def http(server: Server) -> Iterator[httpx.Client]:
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=server.base, headers=headers, timeout=120) as c:
+    with api_client(server, API_KEY, timeout=120) as c:
         yield c
 
 
