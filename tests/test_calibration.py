@@ -369,3 +369,5 @@ def test_constrained_calibration_sets_the_constrained_threshold_only(
     plain = resolve_exit_plan(rule, exit_cfg)
     assert constrained is not None and set(constrained.thresholds.values()) == {chosen}
     assert plain is not None and set(plain.thresholds.values()) == {free["softmax_margin"]}
+    # A tolerance resolves against free-text calibrations only.
+    assert calibrated_threshold(exit_cfg, 0.5, "softmax_margin") == free["softmax_margin"]

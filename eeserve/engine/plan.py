@@ -124,11 +124,13 @@ def _exit_layers(params: ExitParams, cfg: ExitConfig, measure: str) -> list[int]
 def calibrated_threshold(
     cfg: ExitConfig, tolerance: float, measure: str, policy: str | None = None
 ) -> float:
-    """Threshold calibrated for quality loss <= ``tolerance`` (the loosest that still covers it)."""
+    """Threshold calibrated for quality loss <= ``tolerance`` (the loosest that still covers it),
+    on free text (a constrained workload's calibration is the constrained threshold's)."""
     fits = [
         c
         for c in cfg.calibration
         if c.get("measure") == measure
+        and not c.get("structured")
         and float(c["delta"]) <= tolerance  # type: ignore[arg-type]
         # A threshold calibrated under one batch policy says nothing about another.
         and (policy is None or c.get("policy") in (None, policy))
