@@ -73,17 +73,28 @@ class TokenMatcher:
         self._words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)  # 1 bit a token
         self._shifts = torch.arange(32, dtype=torch.int32)
         self._consumed: list[bool] = []  # per accepted token: did llguidance consume it
+        # The mask of the current state, computed once: a step reads it up to four times (the
+        # exit checks' allowed set, the draw, the forced run, whether a speculative row drafts).
+        self._filled = False
+        self._allowed: torch.Tensor | None = None
+
+    def _changed(self) -> None:
+        self._filled, self._allowed = False, None
 
     def _fill(self) -> torch.Tensor:
         """The bitmask of the tokens allowed next [ceil(V / 32)] int32."""
         w = self._words
-        self._m.unsafe_compute_mask_ptr(w.data_ptr(), w.numel() * w.element_size())
+        if not self._filled:
+            self._m.unsafe_compute_mask_ptr(w.data_ptr(), w.numel() * w.element_size())
+            self._filled = True
         return w
 
     def allowed(self) -> torch.Tensor:
         """[V] bool: the tokens the grammar allows next."""
-        bits = (self._fill()[:, None] >> self._shifts) & 1  # [W, 32]
-        return bits.view(-1)[: self.vocab_size].bool()
+        if self._allowed is None:
+            bits = (self._fill()[:, None] >> self._shifts) & 1  # [W, 32]
+            self._allowed = bits.view(-1)[: self.vocab_size].bool()
+        return self._allowed
 
     def single(self) -> int | None:
         """The one token allowed next, or None when there are several (or none)."""
@@ -109,6 +120,8 @@ class TokenMatcher:
         return logits
 
     def accept(self, tokens: list[int]) -> None:
+        if tokens:
+            self._changed()
         for t in tokens:
             # The end of sequence after a complete grammar ends the output: llguidance takes
             # nothing more, so it is recorded as not consumed (for ``rollback``).
@@ -120,6 +133,7 @@ class TokenMatcher:
     def rollback(self, n: int) -> None:
         if n <= 0:
             return
+        self._changed()
         undo, self._consumed = self._consumed[-n:], self._consumed[:-n]
         k = sum(undo)
         if k and not self._m.rollback(k):
