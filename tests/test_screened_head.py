@@ -162,3 +162,88 @@ def test_tiles_at_an_index_outside_the_weight_raise(ops: NativeOps) -> None:
         [head(x)[:, 96:100], torch.zeros(2, 28), head(x)[:, :32]], 1))  # fmt: skip
     with pytest.raises(RuntimeError, match="tile 4 of 4"):
         ops.f32_tiles_at(x, head.packed, torch.tensor([0, 4]))
+
+
+def _masks(full: torch.Tensor, seed: int) -> list[torch.Tensor | None]:
+    """Per row: unconstrained; the row's maximum allowed; everything but the top 5 ids; three
+    ids far from the maximum; one id; ids whose tiles hold none of the unmasked top."""
+    g = torch.Generator().manual_seed(seed)
+    v = full.shape[1]
+    order = full.argsort(-1, descending=True)
+    masks: list[torch.Tensor | None] = [None]
+    rows = full.shape[0]
+    for r in range(1, rows):
+        ok = torch.zeros(v, dtype=torch.bool)
+        kind = r % 5
+        if kind == 0:
+            ok[:] = True
+        elif kind == 1:
+            ok[:] = True
+            ok[order[r, :5]] = False
+        elif kind == 2:
+            ok[order[r, -3:]] = True
+        elif kind == 3:
+            ok[int(torch.randint(0, v, (1,), generator=g))] = True
+        else:
+            ok[torch.randint(0, v, (40,), generator=g)] = True
+            ok[order[r, :64]] = False
+        masks.append(ok)
+    return masks
+
+
+@pytest.mark.parametrize("rows", [2, 6, 11])
+def test_top_with_allowed_ids_keeps_the_masked_heads_argmax_and_bits(
+    ops: NativeOps, rows: int
+) -> None:
+    """A constrained row's maximum over its allowed ids is the full head's, wherever the
+    allowed ids lie against the unmasked maximum; the kept logits are the full head's bits."""
+    w, head, screened = head_pair(ops, 8000, 64, seed=20 + rows)
+    x = peaked_inputs(w, rows, seed=rows)
+    full = head(x)
+    masks = _masks(full, seed=rows)
+    top = screened.top(x, masks).clone()
+    for r, ok in enumerate(masks):
+        want = full[r] if ok is None else full[r].masked_fill(~ok, float("-inf"))
+        got = top[r] if ok is None else top[r].masked_fill(~ok, float("-inf"))
+        assert int(got.argmax()) == int(want.argmax())
+    kept = torch.isfinite(top)
+    assert torch.equal(top[kept], full[kept])
+
+
+def test_a_mask_off_the_top_ids_still_reads_few_tiles(ops: NativeOps) -> None:
+    """Where the grammar refuses the row's favourite tokens but allows most others (a string's
+    body refusing a quote), the floor from the kept tiles keeps the screen paying."""
+    g = torch.Generator().manual_seed(31)
+    w = torch.randn(8000, 64, generator=g) * 0.02
+    d = torch.randn(4, 64, generator=g)
+    w[[100, 4000, 7000, 7999]] = d  # each row's favourite token ...
+    w[[2000, 5000, 300, 6100]] = d * 0.9  # ... and its runner-up, in another tile
+    head = PackedLinear(w, None, ops)
+    screened = ScreenedHead(head, w)
+    x = d * 20
+    full = head(x)
+    masks: list[torch.Tensor | None] = []
+    for r in range(4):
+        ok = torch.ones(8000, dtype=torch.bool)
+        ok[full[r].argmax()] = False  # the grammar refuses the favourite
+        masks.append(ok)
+    top = screened.top(x, masks)
+    for r, ok in enumerate(masks):
+        assert ok is not None
+        got = top[r].masked_fill(~ok, float("-inf")).argmax()
+        assert int(got) == int(full[r].masked_fill(~ok, float("-inf")).argmax())
+    assert (torch.isfinite(top).sum(-1) < 8000 * screened_head.MAX_TILE_SHARE).all()
+
+
+def test_a_tie_among_allowed_ids_resolves_to_the_first_as_the_masked_head(ops: NativeOps) -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(4000, 64, generator=g) * 0.1
+    w[3100] = w[1200]  # two allowed ids that tie, far apart, neither the row's maximum
+    head = PackedLinear(w, None, ops)
+    screened = ScreenedHead(head, w)
+    x = (w[7] * 40 + w[1200] * 20)[None]
+    ok = torch.zeros(4000, dtype=torch.bool)
+    ok[[3100, 1200, 3999]] = True
+    got = screened.top(x, [ok])[0].masked_fill(~ok, float("-inf"))
+    assert int(head(x)[0].argmax()) == 7
+    assert int(got.argmax()) == 1200

@@ -172,6 +172,16 @@ def test_constrained_full_depth_is_the_same_with_and_without_jump_forward(
         assert _tokens(jump, name) == _tokens(plain, name), name
 
 
+def test_the_screened_head_picks_the_allowed_maximum(tiny_varied_dir: Path) -> None:
+    """Greedy constrained rows read the screened head's logits at the tiles that can hold the
+    maximum over their allowed tokens (``kernels.screened_head``): the tokens are the full
+    head's."""
+    screened = make_llm(tiny_varied_dir, exit_policy="none", jump_forward=False)
+    full = make_llm(tiny_varied_dir, exit_policy="none", jump_forward=False, screen_head=False)
+    for name in CONSTRAINTS:
+        assert _tokens(screened, name) == _tokens(full, name), name
+
+
 def test_forced_tokens_run_no_pass(tiny_model_dir: Path) -> None:
     """One choice: every token is forced. The prompt's pass samples the first (the only one
     allowed); the rest and the end of sequence follow without a pass."""

@@ -297,19 +297,45 @@ class ModelRunner:
         return self.model.final_norm(h_last), h.shape[0] * self.config.num_layers
 
     def logits(
-        self, normed: torch.Tensor, live: list[bool] | None = None, argmax_only: bool = False
+        self,
+        normed: torch.Tensor,
+        live: list[bool] | None = None,
+        argmax_only: bool = False,
+        allowed: list[torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """[S, D] final-normed hidden -> [S, V] float32 logits (``argmax_only``: exact only where
-        a row's maximum can be, ``kernels.screened_head``). Rows not ``live`` (a prompt chunk
-        short of its last token: nothing reads them) stay zero rather than pay a pass over the
-        LM head's weights (~4 ms on CPU for a chunk alone)."""
+        a row's maximum, over its ``allowed`` [V] bool ids where given, can be:
+        ``kernels.screened_head``). Rows not ``live`` (a prompt chunk short of its last token:
+        nothing reads them) stay zero rather than pay a pass over the LM head's weights (~4 ms
+        on CPU for a chunk alone)."""
         if live is None or all(live):
-            return head_logits(self.lm_head, normed, argmax_only)
+            return head_logits(self.lm_head, normed, argmax_only, allowed)
         out = torch.zeros(len(live), self.config.vocab_size, device=normed.device)
         rows = [i for i, ok in enumerate(live) if ok]
         if rows:
-            out[rows] = head_logits(self.lm_head, normed[rows], argmax_only)
+            sub = None if allowed is None else [allowed[i] for i in rows]
+            out[rows] = head_logits(self.lm_head, normed[rows], argmax_only, sub)
         return out
+
+    def _full_depth_logits(
+        self,
+        normed: torch.Tensor,
+        seqs: list[Sequence],
+        states: list[RequestState],
+        sampling: list[bool],
+    ) -> torch.Tensor:
+        """The logits of a pass without exits. Greedy rows without logprobs read only their
+        maximum, over the tokens their grammar allows where they are constrained, so the
+        screened head serves constrained rows too."""
+        params = [s.sampling_params for s in seqs]
+        if not all(p.greedy and p.logprobs is None for p in params):
+            return self.logits(normed, sampling, False)
+        allowed = [
+            st.matcher.allowed() if st.matcher is not None and ok else None
+            for st, ok in zip(states, sampling)
+        ]
+        constrained = any(a is not None for a in allowed)
+        return self.logits(normed, sampling, True, allowed if constrained else None)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -350,7 +376,7 @@ class ModelRunner:
         layer_passes = full
         if eb is None:
             normed, layers_run = self.forward(batch)
-            logits = self.logits(normed, sampling, argmax_only)
+            logits = self._full_depth_logits(normed, seqs, states, sampling)
             steps = [SeqStep(exit_layer=full) for _ in seqs]
         else:
             h0, rot = self._inputs(batch)

@@ -7,7 +7,8 @@ Contract: ``ScreenedHead(head, weight)`` wraps a float32 LM head ``head`` on the
 - ``top(x)`` [M, V] float32: in each row, logits bitwise equal to ``head(x)``'s at every id that
   can be that row's maximum (and at the other ids of the same 32-id tiles), -inf elsewhere. So
   ``top(x).argmax(-1) == head(x).argmax(-1)``, ties included (argmax takes the first index, and
-  every id that ties with the maximum is kept).
+  every id that ties with the maximum is kept). ``top(x, allowed)`` does the same for the
+  maximum over each row's allowed ids (a constrained row: ``engine.grammar``).
 ``screened(head, weight)`` wraps a head where it can be screened, and
 ``head_logits(head, x, argmax_only)`` is what callers use: ``top`` where the head is screened
 and only the argmax is read, the full head otherwise.
@@ -45,6 +46,8 @@ from eeserve.kernels.quant import GROUP_SIZE, Int8Linear
 
 # Beyond this share of kept tiles the float pass over them costs about what the full head does.
 MAX_TILE_SHARE = 0.25
+# Tiles of allowed ids probed first for a row whose maximum its grammar refuses (``top``).
+PROBE_TILES = 2
 # ``top`` keeps its output buffer for steps of up to this many rows (at most 64 MB for a 262k
 # vocabulary); a larger step gets a fresh tensor and pays its page faults.
 KEEP_ROWS = 64
@@ -90,12 +93,16 @@ class ScreenedHead(nn.Module):
         """x [M, K] -> b [M, V] with |head(x) - screen(x)| <= b (module docstring)."""
         return torch.outer(self.coeff(x), self.row_scale)
 
-    def top(self, x: torch.Tensor) -> torch.Tensor:
+    def top(
+        self, x: torch.Tensor, allowed: list[torch.Tensor | None] | None = None
+    ) -> torch.Tensor:
         """x [M, K] -> [M, V]: the full head's logits where a row's maximum can be, -inf
-        elsewhere (module docstring). The result is this head's own buffer, valid until its next
-        ``top``: read it (an argmax), do not keep or write it. A fresh [M, V] tensor would cost
-        its page faults on every step (~10 ms at 32 rows of a 262k vocabulary on the 2-core VM),
-        more than the float tiles."""
+        elsewhere (module docstring). ``allowed``: per row None or [V] bool, the ids the row's
+        token is chosen among; such a row's logits are exact wherever its maximum over those ids
+        can be. The result is this head's own buffer, valid until its next
+        ``top``: read it, or write -inf into it (a mask), nothing else; do not keep it. A fresh
+        [M, V] tensor would cost its page faults on every step (~10 ms at 32 rows of a 262k
+        vocabulary on the 2-core VM), more than the float tiles."""
         x = x.reshape(-1, self.in_features).float().contiguous()
         s = self.screen
         # Per row and 32-id tile: max(a + b) [M, T]; per row: max(a - b) [M], below which no
@@ -104,9 +111,34 @@ class ScreenedHead(nn.Module):
             x, s.qweight, s.scale, self.vocab_size, self.coeff(x), self.row_scale
         )
         kept = (hi >= floor[:, None]).any(0)  # [T]
-        ids = kept.nonzero().flatten()  # [n] tile indices
-        if ids.numel() > MAX_TILE_SHARE * self.num_tiles:
+        if kept.sum() > MAX_TILE_SHARE * self.num_tiles:
             return self.head(x)  # type: ignore[no-any-return]
+        out = self._exact(x, kept)
+        refused = self._refused(out, allowed)
+        if not refused:
+            return out
+        # A row whose maximum its grammar refuses: its best allowed id is among the tiles of
+        # allowed ids with the highest screen bound (probed first: their exact logits give a
+        # floor), or among those whose bound still reaches that floor.
+        probe = min(PROBE_TILES, hi.shape[1])
+        for r, _, holds in refused:
+            kept[hi[r].masked_fill(~holds, float("-inf")).topk(probe).indices] = True
+        if kept.sum() > MAX_TILE_SHARE * self.num_tiles:
+            return self.head(x)  # type: ignore[no-any-return]
+        out = self._exact(x, kept)
+        more = kept.clone()
+        for r, ok, holds in refused:
+            best = out[r].masked_fill(~ok, float("-inf")).max()  # an allowed id's exact logit
+            more |= holds & (hi[r] >= best)
+        if torch.equal(more, kept):
+            return out
+        if more.sum() > MAX_TILE_SHARE * self.num_tiles:
+            return self.head(x)  # type: ignore[no-any-return]
+        return self._exact(x, more)
+
+    def _exact(self, x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """The buffer with the full head's logits of x [M, K] in the ``kept`` [T] tiles."""
+        ids = kept.nonzero().flatten()  # [n] tile indices
         exact = self.ops.f32_tiles_at(x, self.head.packed, ids)  # [M, n * 32]
         cols = (ids[:, None] * TILE + torch.arange(TILE, device=x.device)).flatten()
         valid = cols < self.vocab_size  # the last tile may run past V
@@ -114,6 +146,23 @@ class ScreenedHead(nn.Module):
         out = self._output(x.shape[0], cols)
         out[:, cols] = exact[:, valid]
         return out
+
+    def _refused(
+        self, out: torch.Tensor, allowed: list[torch.Tensor | None] | None
+    ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """The rows whose maximum their allowed ids exclude, each with its allowed ids [V] and
+        the tiles [T] bool that hold one. Where a row's maximum m is allowed it is also the
+        allowed maximum, ties included (an allowed id before m with m's logit would be the
+        row's first maximum)."""
+        if allowed is None:
+            return []
+        top = out.argmax(-1).tolist()
+        pad = -self.vocab_size % TILE
+        return [
+            (r, ok, F.pad(ok, (0, pad)).view(-1, TILE).any(-1))
+            for r, ok in enumerate(allowed)
+            if ok is not None and not bool(ok[top[r]])
+        ]
 
     def _output(self, rows: int, cols: torch.Tensor) -> torch.Tensor:
         """[rows, V] of -inf, to be written at ``cols``: the kept buffer's first rows, or a fresh
@@ -137,10 +186,15 @@ def screened(head: PackedLinear, weight: torch.Tensor, int8: nn.Module | None = 
     return ScreenedHead(head, weight, int8 if isinstance(int8, Int8Linear) else None)
 
 
-def head_logits(head: nn.Module, x: torch.Tensor, argmax_only: bool) -> torch.Tensor:
+def head_logits(
+    head: nn.Module,
+    x: torch.Tensor,
+    argmax_only: bool,
+    allowed: list[torch.Tensor | None] | None = None,
+) -> torch.Tensor:
     """[M, D] -> [M, V] float32 logits: screened (``ScreenedHead.top``, whose result is the
-    head's own buffer until its next call) when only their argmax is read and the head has a
-    screen, every logit otherwise."""
+    head's own buffer until its next call) when only their argmax (over a row's ``allowed`` ids,
+    where given) is read and the head has a screen, every logit otherwise."""
     if argmax_only and isinstance(head, ScreenedHead):
-        return head.top(x)
+        return head.top(x, allowed)
     return head(x).float()  # type: ignore[no-any-return]
