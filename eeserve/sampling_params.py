@@ -121,9 +121,9 @@ class SamplingParams:
 
     @property
     def argmax_only(self) -> bool:
-        """Only the argmax of a step's logits is read: greedy, no logprobs, no constraint (the
-        allowed tokens' maximum may lie anywhere)."""
-        return self.greedy and self.logprobs is None and self.structured_outputs is None
+        """Only the argmax of a step's logits is read (over the allowed tokens, under a
+        constraint): greedy, no logprobs."""
+        return self.greedy and self.logprobs is None
 
 
 def _is_int(x: object) -> bool:

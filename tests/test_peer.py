@@ -208,7 +208,9 @@ def test_the_peer_section_interleaves_rounds_and_prints_ratios_and_the_roofline(
     quantize.write_text('#!/bin/sh\ncp "$1" "$2"\n')
     for tool in (bench, quantize):
         tool.chmod(0o755)
-    tools = llamacpp_build.NativeTools(bench, quantize, "test")
+    tools = llamacpp_build.NativeTools(
+        batched_bench=bench, quantize=quantize, server=bench, version="test"
+    )
     (tmp_path / "gguf").mkdir()
     monkeypatch.setattr(llamacpp, "gguf_dir", lambda folder: tmp_path / "gguf")
     monkeypatch.setattr(peer, "native_tools", lambda: tools)

@@ -198,8 +198,9 @@ def test_forced_tokens_run_no_pass(tiny_model_dir: Path) -> None:
 @pytest.mark.parametrize("draft", ["exits", "int8"])
 def test_speculative_equals_constrained_full_depth(agreeing_dir: Path, draft: str) -> None:
     """Drafts under the mask, verification under the mask at every drafted position, the
-    grammar rolled back past rejected drafts: the tokens are constrained full depth's."""
-    full = make_llm(agreeing_dir, exit_policy="none")
+    grammar rolled back past rejected drafts, the screened LM head read at the maximum over
+    each position's allowed tokens: the tokens are constrained full depth's (full LM head)."""
+    full = make_llm(agreeing_dir, exit_policy="none", screen_head=False)
     spec = make_llm(agreeing_dir, exit_policy="per_sequence", speculative_draft=draft)
     drafted = accepted = 0
     for name in CONSTRAINTS:

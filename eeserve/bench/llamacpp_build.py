@@ -1,11 +1,12 @@
 """llama.cpp's own benchmark tools, built once from the source vendored in llama-cpp-python.
 
-Contract: ``native_tools()`` returns the paths of ``llama-batched-bench`` and ``llama-quantize``
-under ``$EESERVE_HOME/llamacpp/<LLAMACPP_VERSION>/bin``, building them first when they are not
-there: ``pip download --no-deps --no-binary :all: llama-cpp-python==<version>`` (the sdist, which
-vendors llama.cpp's source at the commit that package release pins), CMake configured for the CPU
-backend only (``GGML_NATIVE=ON``, static libraries, no CUDA/Metal/Vulkan/OpenSSL), and only those
-two targets built, under ``nice -n 19``; AMX code is compiled out (its q8_0 matmul crashes).
+Contract: ``native_tools()`` returns the paths of ``llama-batched-bench``, ``llama-quantize`` and
+``llama-server`` (the peer of ``bench structured``: its ``json_schema`` and GBNF grammars) under
+``$EESERVE_HOME/llamacpp/<LLAMACPP_VERSION>/bin``, building them first when they are not there:
+``pip download --no-deps --no-binary :all: llama-cpp-python==<version>`` (the sdist, which vendors
+llama.cpp's source at the commit that package release pins), CMake configured for the CPU backend
+only (``GGML_NATIVE=ON``, static libraries, no CUDA/Metal/Vulkan/OpenSSL), and only those three
+targets built, under ``nice -n 19``; AMX code is compiled out (its q8_0 matmul crashes).
 The build runs in a temporary folder and the finished ``bin`` folder is renamed into place, so
 an interrupted or failed build leaves nothing behind; its CMake flags go into ``build.json``
 beside ``bin``, and a cached build whose flags differ from ``CMAKE_FLAGS`` is built again
@@ -29,7 +30,7 @@ from pathlib import Path
 from eeserve.config import eeserve_home
 
 LLAMACPP_VERSION = "0.3.36"  # llama-cpp-python release whose vendored llama.cpp is built
-TARGETS = ("llama-batched-bench", "llama-quantize")
+TARGETS = ("llama-batched-bench", "llama-quantize", "llama-server")
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",  # self-contained binaries: the bin folder can be renamed
@@ -40,7 +41,7 @@ CMAKE_FLAGS = (
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
     "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_BUILD_TOOLS=ON",
     # llama.cpp's AMX matmul segfaults on q8_0 (ggml-org/llama.cpp#20824, reproduced here on a
@@ -60,10 +61,11 @@ class BuildToolMissing(RuntimeError):
     """cmake or a compiler is not on PATH, so llama.cpp cannot be built here."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NativeTools:
     batched_bench: Path
     quantize: Path
+    server: Path
     version: str
 
 
@@ -83,7 +85,7 @@ def missing_tools() -> list[str]:
 
 
 def is_built(version: str = LLAMACPP_VERSION) -> bool:
-    """Both tools are cached, built with today's ``CMAKE_FLAGS`` (an older flag set is stale)."""
+    """Every tool is cached, built with today's ``CMAKE_FLAGS`` (an older flag set is stale)."""
     home = tools_dir(version)
     if not all((home / "bin" / t).exists() for t in TARGETS):
         return False
@@ -99,7 +101,8 @@ def native_tools(version: str = LLAMACPP_VERSION) -> NativeTools:
     if not is_built(version):
         build(version)
     bin_dir = tools_dir(version) / "bin"
-    return NativeTools(bin_dir / TARGETS[0], bin_dir / TARGETS[1], version)
+    bench, quantize, server = (bin_dir / t for t in TARGETS)
+    return NativeTools(batched_bench=bench, quantize=quantize, server=server, version=version)
 
 
 def _run(cmd: list[str], log: Path, what: str, cwd: Path | None = None) -> None:

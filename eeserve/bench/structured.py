@@ -4,15 +4,19 @@ Contract: ``add_structured_parser(subparsers)`` registers the command; ``run_str
 runs the extraction and classification workloads (``tuning.structured_workloads``) at each batch
 size under each mode, greedy, alternated over ``--rounds`` (every mode once per round, in a rotated
 order), and writes one JSON file with the command, commit and machine. Modes (``Mode``):
-``free`` unconstrained full depth; ``constrained`` full depth under the constraint, every token
-its own pass; ``jump_forward`` the same with forced tokens appended without a pass of their own;
-``exits`` jump-forward plus exit mode at the model's default exit rule; ``default`` the
+``free`` unconstrained full depth; ``free_matched`` the same with each output exactly as long as
+constrained full depth's for its prompt (the same work without the grammar: constrained
+decoding's cost is measured against it); ``constrained`` full depth under the constraint, every
+token its own pass; ``jump_forward`` the same with forced tokens appended without a pass of their
+own; ``exits`` jump-forward plus exit mode at the model's default exit rule; ``default`` the
 engine's default mode (speculative) under the constraint; ``hf`` HF transformers' ``generate``
-with the same compiled grammar as a logits processor (``bench.structured_hf``). Per workload,
-batch and mode: output tokens per second (median over rounds), valid rate, forced and exited tokens,
-mean exit layer of the chosen tokens, token and field agreement with ``constrained``, and
-accuracy against the texts' own answers. A batch of B runs max(B, ``--min-prompts``) prompts in
-groups of B.
+with the same compiled grammar as a logits processor (``bench.structured_hf``); ``llamacpp``
+llama.cpp's ``llama-server`` on the model's own GGUF with its own constraint path
+(``bench.structured_llamacpp``; built once, skipped where cmake or a compiler is missing). Per
+workload, batch and mode: output tokens per second and valid outputs per second (medians over
+rounds), valid rate, forced and exited tokens, mean exit layer of the chosen tokens, token and
+field agreement with ``constrained``, and accuracy against the texts' own answers. A batch of B
+runs max(B, ``--min-prompts``) prompts in groups of B.
 """
 
 from __future__ import annotations
@@ -26,7 +30,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from eeserve.bench.llamacpp import own_gguf
+from eeserve.bench.llamacpp_build import missing_tools, native_tools
 from eeserve.bench.structured_hf import HFConstrained
+from eeserve.bench.structured_llamacpp import LlamaServer
 from eeserve.exit_params import ExitParams
 from eeserve.llm import LLM
 from eeserve.outputs import CompletionOutput
@@ -40,14 +49,22 @@ from eeserve.tuning.structured_workloads import (
     field_agreement,
 )
 
+# llama-server's KV room a slot gives each prompt, besides its --max-tokens (the workloads'
+# chat-templated prompts hold 100-250 tokens).
+PROMPT_ROOM = 512
+
 
 class Mode(enum.StrEnum):
     FREE = "free"
+    # Unconstrained, each output exactly as long as constrained full depth's for its prompt:
+    # the same work without the grammar, the base of constrained decoding's cost.
+    FREE_MATCHED = "free_matched"
     CONSTRAINED = "constrained"
     JUMP_FORWARD = "jump_forward"
     EXITS = "exits"
     DEFAULT = "default"
     HF = "hf"  # HF transformers generate, the same grammar as a logits processor
+    LLAMACPP = "llamacpp"  # llama-server on the model's own GGUF, its json_schema -> GBNF
 
 
 @dataclass(kw_only=True)
@@ -58,6 +75,8 @@ class Cell:
     batch: int
     mode: str
     tokens_per_s: list[float] = field(default_factory=list)  # one per round
+    valid_per_s: list[float] = field(default_factory=list)  # outputs that satisfy the constraint
+    valid_tokens_per_s: list[float] = field(default_factory=list)  # the tokens of those
     num_requests: int = 0
     output_tokens: int = 0
     valid_rate: float = 0.0
@@ -77,20 +96,35 @@ def _exit_params(mode: Mode, threshold: float | None) -> ExitParams | None:
     return ExitParams(enabled=False)
 
 
+def _params(
+    w: Workload, mode: Mode, n: int, lengths: list[int], args: argparse.Namespace
+) -> list[SamplingParams]:
+    """Per prompt: greedy, under the workload's constraint but in the free modes; the matched
+    mode's outputs run to ``lengths``, those of constrained full depth's."""
+    if mode is Mode.FREE_MATCHED:
+        return [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in lengths[:n]]
+    constraint = None if mode is Mode.FREE else w.constraint
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured_outputs=constraint)
+    return [sp] * n
+
+
 def _generate(
-    llm: LLM, w: Workload, mode: Mode, batch: int, n: int, args: argparse.Namespace
+    llm: LLM,
+    w: Workload,
+    mode: Mode,
+    batch: int,
+    sps: list[SamplingParams],
+    args: argparse.Namespace,
 ) -> tuple[list[CompletionOutput], float]:
-    sp = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=0.0,
-        structured_outputs=None if mode is Mode.FREE else w.constraint,
-    )
+    n = len(sps)
     prompts = [llm.apply_chat_template(c) for c in w.prompts[:n]]
     outs: list[CompletionOutput] = []
     ep = _exit_params(mode, args.exit_threshold)
     start = time.perf_counter()
     for i in range(0, n, batch):
-        got = llm.generate(prompts[i : i + batch], sp, exit_params=ep, use_tqdm=False)
+        got = llm.generate(
+            prompts[i : i + batch], sps[i : i + batch], exit_params=ep, use_tqdm=False
+        )
         outs += [r.outputs[0] for r in got]
     return outs, time.perf_counter() - start
 
@@ -112,6 +146,31 @@ def _generate_hf(
             forced=[False] * len(r),
         )
         for r in ids
+    ]
+    return outs, dt
+
+
+def _generate_llamacpp(
+    server: LlamaServer, llm: LLM, w: Workload, batch: int, n: int, args: argparse.Namespace
+) -> tuple[list[CompletionOutput], float]:
+    """The prompts' token ids (the engine's template and tokenizer) through llama-server."""
+    prompts = [llm.apply_chat_template(c) for c in w.prompts[:n]]
+    got = []
+    start = time.perf_counter()
+    for i in range(0, n, batch):
+        got += server.generate(prompts[i : i + batch], w.constraint, args.max_tokens)
+    dt = time.perf_counter() - start
+    full = llm.engine.model_config.num_layers
+    outs = [
+        CompletionOutput(
+            index=0,
+            text=g.text,
+            token_ids=g.token_ids,
+            finish_reason="stop" if g.stopped else "length",
+            exit_layers=[full] * len(g.token_ids),
+            forced=[False] * len(g.token_ids),
+        )
+        for g in got
     ]
     return outs, dt
 
@@ -145,6 +204,10 @@ class Contenders:
     llm: LLM
     plain: LLM
     hf: HFConstrained | None
+    llama: LlamaServer | None
+    # Per workload, batch and number of prompts: the lengths of constrained full depth's
+    # outputs (``Mode.FREE_MATCHED``).
+    lengths: dict[str, list[int]] = field(default_factory=dict)
 
     def run(
         self, w: Workload, m: Mode, batch: int, n: int, args: argparse.Namespace
@@ -152,28 +215,74 @@ class Contenders:
         if m is Mode.HF:
             assert self.hf is not None
             return _generate_hf(self.hf, self.llm, w, batch, n, args)
-        return _generate(self.plain if m is Mode.CONSTRAINED else self.llm, w, m, batch, n, args)
+        if m is Mode.LLAMACPP:
+            assert self.llama is not None
+            return _generate_llamacpp(self.llama, self.llm, w, batch, n, args)
+        key = f"{w.name}/{batch}/{n}"
+        if m is Mode.FREE_MATCHED and key not in self.lengths:  # untimed
+            outs, _ = self.run(w, Mode.CONSTRAINED, batch, n, args)
+            self.lengths[key] = [len(c.token_ids) for c in outs]
+        sps = _params(w, m, n, self.lengths.get(key, []), args)
+        return _generate(self.plain if m is Mode.CONSTRAINED else self.llm, w, m, batch, sps, args)
+
+    def close(self) -> None:
+        if self.llama is not None:
+            self.llama.close()
 
 
-def _contenders(model: str, modes: list[Mode]) -> Contenders:
+def _contenders(
+    model: str, modes: list[Mode], batches: list[int], args: argparse.Namespace
+) -> Contenders:
     llm = LLM(model)
     # Full depth under the constraint, every token its own pass: jump-forward off.
-    plain = LLM(model, jump_forward=False) if Mode.CONSTRAINED in modes else llm
+    plain = (
+        LLM(model, jump_forward=False)
+        if {Mode.CONSTRAINED, Mode.FREE_MATCHED} & set(modes)
+        else llm
+    )
     hf = None
     if Mode.HF in modes:
         eos = llm.engine.grammars.eos_token_id
         pad = llm.tokenizer.pad_token_id
         hf = HFConstrained(llm.engine.model_path, eos=eos, pad=eos if pad is None else int(pad))
-    return Contenders(llm=llm, plain=plain, hf=hf)
+    llama = None
+    if Mode.LLAMACPP in modes:
+        own = own_gguf(llm.engine.model_path)
+        if own is None:
+            raise SystemExit(f"--modes llamacpp: {model} has no GGUF of its own to give llama.cpp")
+        slots = max(batches)
+        ctx = slots * (PROMPT_ROOM + args.max_tokens)
+        threads = torch.get_num_threads()
+        llama = LlamaServer(native_tools().server, own[1], threads=threads, slots=slots, ctx=ctx)
+    return Contenders(llm=llm, plain=plain, hf=hf, llama=llama)
 
 
 def run_structured(args: argparse.Namespace) -> int:
     modes = [Mode(m) for m in args.modes.split(",")]
+    if Mode.LLAMACPP in modes and (missing := missing_tools()):
+        print(f"no llamacpp mode: building llama.cpp needs {' and '.join(missing)}")
+        modes.remove(Mode.LLAMACPP)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     most = max(max(batches), args.min_prompts)
     names = args.workloads.split(",")
     workloads = [w for w in (extraction(most), classification(most)) if w.name in names]
-    runs = _contenders(args.model, modes)
+    runs = _contenders(args.model, modes, batches, args)
+    try:
+        cells = _rounds(runs, workloads, modes, batches, args)
+    finally:
+        runs.close()
+    _write(args, [cells[k] for k in sorted(cells, key=lambda k: (k[0], k[1], modes.index(k[2])))])
+    return 0
+
+
+def _rounds(
+    runs: Contenders,
+    workloads: list[Workload],
+    modes: list[Mode],
+    batches: list[int],
+    args: argparse.Namespace,
+) -> dict[tuple[str, int, Mode], Cell]:
+    """Every workload x batch x mode, once a round, the modes in a rotated order each round."""
     num_layers = runs.llm.engine.model_config.num_layers
     cells: dict[tuple[str, int, Mode], Cell] = {}
     outputs: dict[tuple[str, int, Mode], list[CompletionOutput]] = {}
@@ -188,7 +297,10 @@ def run_structured(args: argparse.Namespace) -> int:
                 for m in order:
                     outs, dt = runs.run(w, m, b, n, args)
                     cell = cells.setdefault((w.name, b, m), Cell(workload=w.name, batch=b, mode=m))
+                    valid = [c for c in outs if w.valid(c.text)]
                     cell.tokens_per_s.append(sum(len(c.token_ids) for c in outs) / dt)
+                    cell.valid_per_s.append(len(valid) / dt)
+                    cell.valid_tokens_per_s.append(sum(len(c.token_ids) for c in valid) / dt)
                     outputs[(w.name, b, m)] = outs
                     _score(cell, w, outs, num_layers)
     for (name, b, m), cell in cells.items():
@@ -196,15 +308,15 @@ def run_structured(args: argparse.Namespace) -> int:
         w = next(w for w in workloads if w.name == name)
         if ref is not None and m is not Mode.CONSTRAINED:
             _agreement(cell, w, outputs[(name, b, m)], ref)
-    _write(args, [cells[k] for k in sorted(cells, key=lambda k: (k[0], k[1], modes.index(k[2])))])
-    return 0
+    return cells
 
 
 def _write(args: argparse.Namespace, cells: list[Cell]) -> None:
     rows = []
     for c in cells:
         row = asdict(c)
-        row["median_tokens_per_s"] = statistics.median(c.tokens_per_s)
+        for name in ("tokens_per_s", "valid_per_s", "valid_tokens_per_s"):
+            row[f"median_{name}"] = statistics.median(row[name])
         rows.append(row)
     result = {"provenance": provenance(), "model": args.model, "rounds": args.rounds, "rows": rows}
     out = Path(args.out)
@@ -225,7 +337,8 @@ def summary(rows: list[dict[str, Any]]) -> str:
         agree = r["token_agreement"]
         lines.append(
             f"{r['workload']:<14} b{r['batch']:<3} {r['mode']:<12} "
-            f"{r['median_tokens_per_s']:7.1f} tok/s {ratio}  valid {r['valid_rate']:.2f}  "
+            f"{r['median_tokens_per_s']:7.1f} tok/s {ratio}  valid {r['valid_rate']:.2f} "
+            f"({r['median_valid_per_s']:5.2f}/s)  "
             f"acc {r['accuracy']:.2f}  forced {r['forced_tokens']:4d}  "
             f"exited {r['exited_tokens']:4d}  exit {r['mean_exit_layer']:5.1f}  "
             f"agree {'-' if agree is None else f'{agree:.3f}'}"

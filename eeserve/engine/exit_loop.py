@@ -390,7 +390,8 @@ class ExitLoop:
             inputs = [st.exits[s].head_input for s in pending]
             parts.append(torch.stack(inputs))  # type: ignore[arg-type]
         x = parts[0] if len(parts) == 1 else torch.cat(parts)
-        logits = head_logits(self.lm_head, x, b.argmax_only)
+        allowed = b.head_allowed([b.sampled[rows[i]] for i in lanes], verify, pending)
+        logits = head_logits(self.lm_head, x, b.argmax_only, allowed)
         if verify:
             logits = self._split_verify(logits, len(lanes), verify, st)
         if len(owners) == len(st.exits):  # no logits came from a check: at most a reorder

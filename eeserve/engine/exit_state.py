@@ -67,7 +67,11 @@ class ExitBatch:
     # Sequences whose row is a prompt's (first token or a chunk): never checked, and no part of
     # the batch that ``batch_all`` waits for.
     prefill: set[SeqIdx] = field(default_factory=set)
-    argmax_only: bool = False  # only the logits' argmax is read (kernels.screened_head)
+    # Only the logits' argmax is read (kernels.screened_head); for a constrained sequence, over
+    # ``head_masks``: the tokens [V] bool allowed at each position whose token the LM head
+    # chooses (drafts being verified, in order, then the next).
+    argmax_only: bool = False
+    head_masks: dict[SeqIdx, list[torch.Tensor]] = field(default_factory=dict)
     # Constrained sequences whose grammar allows few tokens next: their ids [k]. Their exits are
     # judged over those tokens alone (``ExitChecks.allowed_confidence``).
     allowed: dict[SeqIdx, torch.Tensor] = field(default_factory=dict)
@@ -82,6 +86,23 @@ class ExitBatch:
         if row in self.passengers:
             return self.passengers[row].seq
         return self.sampled.get(row)
+
+    def head_allowed(
+        self, chosen: list[SeqIdx], verify: list[tuple[Lane, SeqIdx, Pos]], pending: list[SeqIdx]
+    ) -> list[torch.Tensor | None] | None:
+        """Per LM-head row (the sequences ``chosen`` at full depth, the ``verify`` rows, the
+        ``pending`` exits, in that order): the allowed tokens [V] bool, None where unconstrained;
+        None when no row is constrained."""
+        if not self.head_masks:
+            return None
+        masks = self.head_masks
+        out = [masks[s][-1] if s in masks else None for s in chosen]
+        drafted: dict[SeqIdx, list[Pos]] = {}  # a sequence's verified positions, in order
+        for _, s, pos in verify:
+            drafted.setdefault(s, []).append(pos)
+        for _, s, pos in verify:  # the i-th drafted position: the mask after i drafts
+            out.append(masks[s][sorted(drafted[s]).index(pos)] if s in masks else None)
+        return out + [masks[s][-1] if s in masks else None for s in pending]
 
     def owes(self, row: Row) -> bool:
         """Does a row that leaves owe its deep layers (rather than have them filled)?"""
@@ -100,6 +121,7 @@ def exit_batch(
     kv_fill: KVFill,
     num_layers: int,
     argmax_only: bool = False,
+    head_masks: dict[SeqIdx, list[torch.Tensor]] | None = None,
 ) -> ExitBatch | None:
     """The exit rules of one pass, or None when every row runs to full depth. ``plans``: per
     sequence, the exit plan of this step (None: no check); ``states``: the runner's records of
@@ -131,6 +153,7 @@ def exit_batch(
         speculative={SeqIdx(i) for i, s in enumerate(states) if s.spec is not None},
         prefill={SeqIdx(i) for i, d in enumerate(decoding) if not d},
         argmax_only=argmax_only,
+        head_masks=head_masks or {},
         allowed=_allowed(states, plans),
     )
 

@@ -63,6 +63,18 @@ class Grammar:
         return TokenMatcher(m, self.vocab_size, self.eos_token_id)
 
 
+# Masks kept behind the current position: more than a verification or a preemption rolls back.
+KEEP_MASKS = 64
+
+
+@dataclass(kw_only=True)
+class _Mask:
+    """The tokens one grammar state allows next."""
+
+    words: torch.Tensor  # [ceil(V / 32)] int32, 1 bit a token
+    allowed: torch.Tensor | None = None  # [V] bool, made from ``words`` when first read
+
+
 class TokenMatcher:
     """One request's grammar state (see the module's contract)."""
 
@@ -70,31 +82,37 @@ class TokenMatcher:
         self._m = matcher
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self._words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)  # 1 bit a token
+        self._num_words = (vocab_size + 31) // 32
         self._shifts = torch.arange(32, dtype=torch.int32)
         self._consumed: list[bool] = []  # per accepted token: did llguidance consume it
-        # The mask of the current state, computed once: a step reads it up to four times (the
-        # exit checks' allowed set, the draw, the forced run, whether a speculative row drafts).
-        self._filled = False
-        self._allowed: torch.Tensor | None = None
+        # The masks of the states along the accepted tokens, by position, computed once each: a
+        # step reads a state's mask up to four times (the exit checks' allowed set, the LM head's
+        # screen, the draw, the forced run), and a verification reads the masks of the drafted
+        # positions again after a rollback. ``_masks[n]`` holds for the state after
+        # ``_path[:n]``; accepting another token at n drops what lay beyond it.
+        self._path: list[int] = []
+        self._masks: dict[int, _Mask] = {}
 
-    def _changed(self) -> None:
-        self._filled, self._allowed = False, None
+    def _mask(self) -> _Mask:
+        n = len(self._consumed)
+        mask = self._masks.get(n)
+        if mask is None:
+            words = torch.empty(self._num_words, dtype=torch.int32)  # 1 bit a token
+            self._m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+            mask = self._masks[n] = _Mask(words=words)
+        return mask
 
     def _fill(self) -> torch.Tensor:
         """The bitmask of the tokens allowed next [ceil(V / 32)] int32."""
-        w = self._words
-        if not self._filled:
-            self._m.unsafe_compute_mask_ptr(w.data_ptr(), w.numel() * w.element_size())
-            self._filled = True
-        return w
+        return self._mask().words
 
     def allowed(self) -> torch.Tensor:
         """[V] bool: the tokens the grammar allows next."""
-        if self._allowed is None:
-            bits = (self._fill()[:, None] >> self._shifts) & 1  # [W, 32]
-            self._allowed = bits.view(-1)[: self.vocab_size].bool()
-        return self._allowed
+        mask = self._mask()
+        if mask.allowed is None:
+            bits = (mask.words[:, None] >> self._shifts) & 1  # [W, 32]
+            mask.allowed = bits.view(-1)[: self.vocab_size].bool()
+        return mask.allowed
 
     def single(self) -> int | None:
         """The one token allowed next, or None when there are several (or none)."""
@@ -120,9 +138,13 @@ class TokenMatcher:
         return logits
 
     def accept(self, tokens: list[int]) -> None:
-        if tokens:
-            self._changed()
         for t in tokens:
+            n = len(self._consumed)
+            if n >= len(self._path) or self._path[n] != t:  # another branch: its masks go
+                del self._path[n:]
+                self._path.append(t)
+                self._masks = {k: m for k, m in self._masks.items() if k <= n}
+            self._masks.pop(n - KEEP_MASKS, None)  # further back than any rollback reaches
             # The end of sequence after a complete grammar ends the output: llguidance takes
             # nothing more, so it is recorded as not consumed (for ``rollback``).
             done = t == self.eos_token_id and self._m.is_stopped()
@@ -133,7 +155,6 @@ class TokenMatcher:
     def rollback(self, n: int) -> None:
         if n <= 0:
             return
-        self._changed()
         undo, self._consumed = self._consumed[-n:], self._consumed[:-n]
         k = sum(undo)
         if k and not self._m.rollback(k):
@@ -237,3 +258,16 @@ def constrain(matcher: TokenMatcher, logits: torch.Tensor) -> bool:
     """Masks logits [V] in place to the grammar's allowed tokens; False when none of them has a
     finite logit (a draft head or int8 draft vocabulary that covers none of them)."""
     return bool(matcher.mask_(logits).amax() > float("-inf"))
+
+
+def draft_masks(matcher: TokenMatcher, drafts: list[int]) -> list[torch.Tensor]:
+    """The allowed tokens [V] bool at k drafted positions and the next (after all k), in order.
+    ``matcher`` has accepted the k ``drafts`` on entry and on return."""
+    k = len(drafts)
+    matcher.rollback(k)
+    out = []
+    for i in range(k + 1):
+        out.append(matcher.allowed())
+        if i < k:
+            matcher.accept([drafts[i]])
+    return out

@@ -27,7 +27,7 @@ from eeserve.engine.draft_vocab import SubsetHead
 from eeserve.engine.exit_checks import ExitChecks, Shortlist, shortlist_rows
 from eeserve.engine.exit_loop import ExitLoop
 from eeserve.engine.exit_state import ExitBatch, ExitResult, SeqIdx, exit_batch
-from eeserve.engine.grammar import constrain
+from eeserve.engine.grammar import constrain, draft_masks
 from eeserve.engine.kv_fill import KVFiller
 from eeserve.engine.layer_cost import layer_cost, measure_model_layers
 from eeserve.engine.layer_stack import LayerStack
@@ -317,25 +317,19 @@ class ModelRunner:
             out[rows] = head_logits(self.lm_head, normed[rows], argmax_only, sub)
         return out
 
-    def _full_depth_logits(
-        self,
-        normed: torch.Tensor,
-        seqs: list[Sequence],
-        states: list[RequestState],
-        sampling: list[bool],
-    ) -> torch.Tensor:
-        """The logits of a pass without exits. Greedy rows without logprobs read only their
-        maximum, over the tokens their grammar allows where they are constrained, so the
-        screened head serves constrained rows too."""
-        params = [s.sampling_params for s in seqs]
-        if not all(p.greedy and p.logprobs is None for p in params):
-            return self.logits(normed, sampling, False)
-        allowed = [
-            st.matcher.allowed() if st.matcher is not None and ok else None
-            for st, ok in zip(states, sampling)
-        ]
-        constrained = any(a is not None for a in allowed)
-        return self.logits(normed, sampling, True, allowed if constrained else None)
+    def _head_masks(
+        self, seqs: list[Sequence], states: list[RequestState], sampling: list[bool]
+    ) -> dict[SeqIdx, list[torch.Tensor]]:
+        """Per constrained sequence that samples: the tokens [V] bool its grammar allows at each
+        position whose token the LM head chooses (drafts being verified, then the next), so the
+        screened head can serve it (``kernels.screened_head``)."""
+        out: dict[SeqIdx, list[torch.Tensor]] = {}
+        for i, (seq, state, ok) in enumerate(zip(seqs, states, sampling)):
+            if ok and state.matcher is not None:
+                k = len(state.drafts)
+                drafts = seq.output_token_ids[len(seq.output_token_ids) - k :] if k else []
+                out[SeqIdx(i)] = draft_masks(state.matcher, drafts)
+        return out
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -371,12 +365,14 @@ class ModelRunner:
         batch = self.prepare(seqs, counts, [s.owed_positions for s in states])
         full = self.config.num_layers
         argmax_only = all(s.sampling_params.argmax_only for s in seqs)
-        eb = self._exit_batch(seqs, states, batch, sampling, argmax_only)
+        masks = self._head_masks(seqs, states, sampling) if argmax_only else {}
+        eb = self._exit_batch(seqs, states, batch, sampling, argmax_only, masks)
         res: ExitResult | None = None
         layer_passes = full
         if eb is None:
             normed, layers_run = self.forward(batch)
-            logits = self._full_depth_logits(normed, seqs, states, sampling)
+            allowed = [m[-1] if (m := masks.get(SeqIdx(i))) else None for i in range(len(seqs))]
+            logits = self.logits(normed, sampling, argmax_only, allowed if masks else None)
             steps = [SeqStep(exit_layer=full) for _ in seqs]
         else:
             h0, rot = self._inputs(batch)
@@ -403,6 +399,7 @@ class ModelRunner:
         batch: Batch,
         sampling: list[bool],
         argmax_only: bool,
+        masks: dict[SeqIdx, list[torch.Tensor]],
     ) -> ExitBatch | None:
         """Exit rules of this step, or None when every row runs to full depth."""
         if self.opts.exit_policy is ExitPolicy.NONE:
@@ -426,6 +423,7 @@ class ModelRunner:
             kv_fill=self.opts.kv_fill,
             num_layers=self.config.num_layers,
             argmax_only=argmax_only,
+            head_masks=masks,
         )
 
     def _sample(

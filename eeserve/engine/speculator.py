@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from eeserve.engine.grammar import TokenMatcher, constrain
+from eeserve.engine.grammar import TokenMatcher, constrain, draft_masks
 from eeserve.engine.plan import ExitPlan
 from eeserve.engine.request_state import Draft, OwedPosition, RequestState
 from eeserve.engine.runner_output import SeqStep
@@ -220,10 +220,6 @@ def mask_positions(matcher: TokenMatcher, drafts: list[int], logits: torch.Tenso
     """logits [k+1, V] at k drafted positions and the next, each masked in place to what the
     grammar allows there (after the drafts before it). ``matcher`` has accepted the k drafts on
     entry and is back before them on return (the caller accepts the verified tokens)."""
-    k = len(drafts)
-    matcher.rollback(k)
-    for i in range(k + 1):
-        matcher.mask_(logits[i])
-        if i < k:
-            matcher.accept([drafts[i]])
-    matcher.rollback(k)
+    for row, ok in zip(logits, draft_masks(matcher, drafts)):
+        row.masked_fill_(~ok, float("-inf"))
+    matcher.rollback(len(drafts))
