@@ -125,6 +125,18 @@ class NativeOps:
         """One whole decoder layer for a pass's rows; the arguments of ``csrc/layer_ops.cpp``."""
         return self.ops.decoder_layer(*args)  # type: ignore[no-any-return]
 
+    def gguf_dequantize(self, blocks: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+        """blocks uint8 [N, row_bytes] (each row k weights in GGUF blocks of ``ggml_type``) ->
+        [N, k] float32, equal to ``gguf.quants.dequantize`` bit for bit (``csrc/gguf_ops.cpp``)."""
+        return self.ops.gguf_dequantize(blocks, ggml_type, k)  # type: ignore[no-any-return]
+
+    def gguf_linear(
+        self, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out: torch.Tensor
+    ) -> None:
+        """x [M, K] float32, blocks as in ``gguf_dequantize`` [N, row_bytes] -> writes out [M, N]
+        (unit column stride) = x @ gguf_dequantize(blocks)^T, float32 arithmetic."""
+        self.ops.gguf_linear(x, blocks, ggml_type, out)
+
     def f32_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
     ) -> torch.Tensor:

@@ -1,0 +1,228 @@
+// eeserve CPU kernels: linear layers and de-quantization on weights kept in GGUF block formats.
+//
+// Contract:
+// - gguf_dequantize(w, type, k): w uint8 [N, row_bytes], each row K / QK blocks of ggml type
+//   `type` (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K: gguf_blocks.h) -> float32 [N, k], equal to
+//   gguf.quants.dequantize bit for bit.
+// - gguf_linear(x, w, type, out): x [M, K] float32, w as above -> writes out [M, N] (float32, unit
+//   column stride, any row stride: a column slice of a wider output) = x @ dequantize(w)^T, the
+//   weights de-quantized exactly as gguf_dequantize does, activations and sums float32 (no
+//   activation rounding), so it equals F.linear on the de-quantized weights up to summation
+//   order. Registered as torch.ops.eeserve.gguf_dequantize / gguf_linear.
+//
+// Why two loops: a decode step at few rows is bound by reading the weights, and the blocks are
+// ~1/5 of float32's bytes; there each group of 32 weights is decoded in registers and used at
+// once by every row (rows_direct). From FEW + 1 rows on, decoding the same weights for every row
+// would bound the step by arithmetic: a tile of TN output channels is decoded once into a small
+// per-thread float buffer (in L1/L2) and every row reads it from there (rows_tiled).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "gguf_blocks.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using namespace eeserve_gguf;
+
+constexpr int64_t FEW = 4;  // rows_direct up to this many rows
+constexpr int64_t TN = 16;  // output channels per decoded tile of rows_tiled
+#if defined(__AVX512F__)
+constexpr int CH = 4;   // channels at once in rows_direct: CH * FEW accumulators of 32 registers
+constexpr int MR = 6;   // rows_tiled's register tile: MR x CT accumulators
+constexpr int CT = 4;
+#else
+constexpr int CH = 2;   // CH * FEW accumulators + NW weights of 16 registers
+constexpr int MR = 2;
+constexpr int CT = 4;
+#endif
+
+struct Args {
+  const float* x;   // [M, K]
+  const uint8_t* w; // [N, row_bytes]
+  float* y;         // [M, ldy]
+  int64_t M, K, N, row_bytes, ldy;
+};
+
+// Channel n's group j (weights 32 j .. 32 j + 32) into registers.
+template <class F>
+inline void decode_group(const Args& a, int64_t n, int64_t j, V* w) {
+  const int64_t per = F::QK / GROUP;
+  F::decode(a.w + n * a.row_bytes + (j / per) * F::TYPE_SIZE, static_cast<int>(j % per), w);
+}
+
+// Channels [n0, n0 + C) for MT rows, weights decoded in registers once per group for all rows.
+template <class F, int C, int MT>
+void direct_tile(const Args& a, int64_t n0) {
+  V acc[C][MT];
+  for (int c = 0; c < C; ++c)
+    for (int m = 0; m < MT; ++m) acc[c][m] = zero();
+  for (int64_t j = 0; j < a.K / GROUP; ++j) {
+    for (int c = 0; c < C; ++c) {
+      V w[NW];
+      decode_group<F>(a, n0 + c, j, w);
+      for (int m = 0; m < MT; ++m)
+        for (int v = 0; v < NW; ++v) acc[c][m] = fmadd(ldf(a.x + m * a.K + j * GROUP + v * L), w[v], acc[c][m]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int m = 0; m < MT; ++m) a.y[m * a.ldy + n0 + c] = hsum(acc[c][m]);
+}
+
+template <class F, int MT>
+void rows_direct(const Args& a, int64_t lo, int64_t hi) {
+  int64_t n = lo;
+  for (; n + CH <= hi; n += CH) direct_tile<F, CH, MT>(a, n);
+  for (; n < hi; ++n) direct_tile<F, 1, MT>(a, n);
+}
+
+// Rows [m0, m0 + RT) against channels [c0, c0 + C) of the decoded tile buf [TN, K] (whose
+// channel 0 is output n0).
+template <int RT, int C>
+inline void buffer_tile(const Args& a, const float* buf, int64_t m0, int64_t n0, int64_t c0) {
+  V acc[RT][C];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = zero();
+  for (int64_t k = 0; k < a.K; k += L) {
+    V w[C];
+    for (int c = 0; c < C; ++c) w[c] = ldf(buf + (c0 + c) * a.K + k);
+    for (int r = 0; r < RT; ++r) {
+      const V xv = ldf(a.x + (m0 + r) * a.K + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = fmadd(xv, w[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < C; ++c) a.y[(m0 + r) * a.ldy + n0 + c0 + c] = hsum(acc[r][c]);
+}
+
+template <int RT>
+void buffer_rows(const Args& a, const float* buf, int64_t m0, int64_t n0, int64_t chans) {
+  int64_t c = 0;
+  for (; c + CT <= chans; c += CT) buffer_tile<RT, CT>(a, buf, m0, n0, c);
+  for (; c < chans; ++c) buffer_tile<RT, 1>(a, buf, m0, n0, c);
+}
+
+// The last M % MR rows: one pass with exactly that many (R counts down to it).
+template <int R>
+void buffer_rest(const Args& a, const float* buf, int64_t m0, int64_t rows, int64_t n0, int64_t chans) {
+  if constexpr (R > 0) {
+    if (rows == R) return buffer_rows<R>(a, buf, m0, n0, chans);
+    buffer_rest<R - 1>(a, buf, m0, rows, n0, chans);
+  }
+}
+
+template <class F>
+void rows_tiled(const Args& a, int64_t lo, int64_t hi) {
+  std::vector<float> buf(TN * a.K);  // this thread's decoded tile: TN channels of K weights
+  for (int64_t n0 = lo; n0 < hi; n0 += TN) {
+    const int64_t chans = std::min(TN, hi - n0);
+    for (int64_t c = 0; c < chans; ++c)
+      for (int64_t j = 0; j < a.K / GROUP; ++j) {
+        V w[NW];
+        decode_group<F>(a, n0 + c, j, w);
+        for (int v = 0; v < NW; ++v) stf(buf.data() + c * a.K + j * GROUP + v * L, w[v]);
+      }
+    int64_t m = 0;
+    for (; m + MR <= a.M; m += MR) buffer_rows<MR>(a, buf.data(), m, n0, chans);
+    if (m < a.M) buffer_rest<MR - 1>(a, buf.data(), m, a.M - m, n0, chans);
+  }
+}
+
+template <class F>
+void run_linear(const Args& a) {
+  // Work in units of TN channels, so that a thread's range starts on a tile.
+  const int64_t units = (a.N + TN - 1) / TN;
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    const int64_t lo = u0 * TN, hi = std::min(a.N, u1 * TN);
+    switch (a.M) {
+      case 1: return rows_direct<F, 1>(a, lo, hi);
+      case 2: return rows_direct<F, 2>(a, lo, hi);
+      case 3: return rows_direct<F, 3>(a, lo, hi);
+      case 4: return rows_direct<F, 4>(a, lo, hi);
+      default: return rows_tiled<F>(a, lo, hi);
+    }
+  });
+  static_assert(FEW == 4, "rows_direct is instantiated for 1..FEW rows");
+}
+
+template <class F>
+void run_dequantize(const Args& a, float* out) {
+  at::parallel_for(0, a.N, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; ++n)
+      for (int64_t j = 0; j < a.K / GROUP; ++j) {
+        V w[NW];
+        decode_group<F>(a, n, j, w);
+        for (int v = 0; v < NW; ++v) stf(out + n * a.K + j * GROUP + v * L, w[v]);
+      }
+  });
+}
+
+// Calls fn with the Format struct of ggml type `type` (a clear error for any other).
+template <class Fn>
+void with_format(int64_t type, Fn&& fn) {
+  switch (type) {
+    case Q4_0: return fn(FQ4_0{});
+    case Q4_1: return fn(FQ4_1{});
+    case Q8_0: return fn(FQ8_0{});
+    case Q4_K: return fn(FQ4_K{});
+    case Q6_K: return fn(FQ6_K{});
+    default: TORCH_CHECK(false, "gguf: ggml type ", type, " is not supported (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)");
+  }
+}
+
+template <class F>
+void check_rows(const at::Tensor& w, int64_t k) {
+  TORCH_CHECK(k > 0 && k % F::QK == 0, "gguf: K = ", k, " is not a multiple of the block's ", F::QK);
+  TORCH_CHECK(w.size(1) == k / F::QK * F::TYPE_SIZE, "gguf: a row of ", k, " weights is ",
+              k / F::QK * F::TYPE_SIZE, " bytes, w has ", w.size(1));
+}
+
+void check_blocks(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "gguf: w must be contiguous uint8 [N, row_bytes]");
+}
+
+at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t k) {
+  check_blocks(w);
+  at::Tensor out = at::empty({w.size(0), k}, w.options().dtype(at::kFloat));
+  with_format(type, [&](auto f) {
+    using F = decltype(f);
+    check_rows<F>(w, k);
+    const Args a{nullptr, w.data_ptr<uint8_t>(), nullptr, 0, k, w.size(0), w.size(1), 0};
+    run_dequantize<F>(a, out.data_ptr<float>());
+  });
+  return out;
+}
+
+void gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, at::Tensor out) {
+  check_blocks(w);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gguf_linear: x float32 [M, K]");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
+                  out.size(0) == x.size(0) && out.size(1) == w.size(0),
+              "gguf_linear: out float32 [M, N] with unit column stride");
+  const at::Tensor xc = x.contiguous();
+  with_format(type, [&](auto f) {
+    using F = decltype(f);
+    check_rows<F>(w, x.size(1));
+    const Args a{xc.data_ptr<float>(), w.data_ptr<uint8_t>(), out.data_ptr<float>(), x.size(0),
+                 x.size(1), w.size(0), w.size(1), out.stride(0)};
+    if (a.M > 0 && a.N > 0) run_linear<F>(a);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(eeserve, m) {
+  m.def("gguf_dequantize(Tensor w, int type, int k) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor w, int type, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(eeserve, CPU, m) {
+  m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_linear", &gguf_linear);
+}
