@@ -33,6 +33,7 @@ from eeserve.server.cost_bound import PromptBounds, chat_prompt_bound, estimate
 from eeserve.server.prepare import ModelInfo, parse_body, prepare
 from eeserve.server.protocol import ChatCompletionRequest
 from eeserve.server.throughput import Capacity, Queue, Rates, ThroughputMeter, start_delay
+from tests.waiting import until
 
 KV_BYTES = 4_000_000
 
@@ -210,14 +211,6 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Gate]:
     g.open.set()
 
 
-async def _until(cond: Any, what: str) -> None:
-    for _ in range(6000):  # a guard against a hang, not a timing requirement
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never: {what}")
-
-
 def test_burst_refusals_and_health_do_not_wait_for_tokenizing(
     tiny_model_dir: Path, gate: _Gate
 ) -> None:
@@ -236,7 +229,7 @@ def test_burst_refusals_and_health_do_not_wait_for_tokenizing(
                     asyncio.create_task(c.post("/v1/chat/completions", json=chat))
                     for _ in range(12)
                 ]
-                await _until(lambda: sum(t.done() for t in sent) == 10, "10 answers")
+                await until(lambda: sum(t.done() for t in sent) == 10, "10 answers")
                 done = [t for t in sent if t.done()]
                 seen = {
                     "early": [t.result() for t in done],
@@ -278,14 +271,14 @@ def test_queue_seconds_429_and_which_refusal_comes_first(tiny_model_dir: Path, g
             async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
                 post = lambda **kw: c.post("/v1/completions", **kw)  # noqa: E731
                 held = asyncio.create_task(post(json=body, headers=key))
-                await _until(lambda: gate.entered == 1, "the first request tokenizing")
+                await until(lambda: gate.entered == 1, "the first request tokenizing")
                 out = {"slow": await post(json=body, headers=key)}  # 2+ tokens: 20 s > 1 s
                 meter.record(1.0, 10_000, 10)  # fast again: the queue is a moment's work
                 out["model"] = await post(json={**body, "model": "other"}, headers=key)
                 out["n"] = await post(json={**body, "n": 999}, headers=key)
                 out["too_many"] = await post(json={**body, "n": 3}, headers=key)
                 second = asyncio.create_task(post(json={**body, "n": 2}, headers=key))
-                await _until(lambda: app.state.engine_loop.admission.waiting_requests == 3, "3")
+                await until(lambda: app.state.engine_loop.admission.waiting_requests == 3, "3")
                 out["full"] = await post(content=b"{not json", headers=key)
                 out["nokey"] = await post(json=body)
                 gate.open.set()

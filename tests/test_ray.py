@@ -19,6 +19,7 @@ import pytest
 
 from eeserve.sampling_params import SamplingParams
 from eeserve.server.admission import ServingLimits
+from eeserve.server.ingress import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from eeserve.server.replicas import APP_NAME, ReplicaOptions, launch_replicas, stop_replicas
 from tests.batch_files import read_output, request_line, run_cli, stable, write_batch
 from tests.tiny_model import make_llm
@@ -51,7 +52,12 @@ def ray_session() -> Iterator[None]:
     import ray
     from ray import serve
 
-    ray.init(num_cpus=2, include_dashboard=False, namespace="eeserve", log_to_driver=False)
+    # The Serve proxy runs the ingress gate, as in a cluster `eeserve serve --replicas` starts.
+    os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, namespace="eeserve", log_to_driver=False)
+    finally:
+        del os.environ[PROXY_CALLBACK_ENV]
     yield
     serve.shutdown()
     ray.shutdown()
@@ -231,11 +237,19 @@ def test_killed_replica_fails_its_requests_then_recovers(replicas: str) -> None:
     assert asyncio.run(later()) == [200] * 8
 
 
+def _rejected(base: str) -> tuple[float, float]:
+    """429s so far: the replicas' admission control's, and the ingress gate's."""
+    samples = _metrics(base)
+    replicas = sum(v for n, _, v in samples if n == "eeserve_admission_rejected_total")
+    return replicas, sum(v for n, _, v in samples if n == "eeserve_ingress_rejected_total")
+
+
 def test_admission_limits_apply_through_replicas(replicas: str, tiny_model_dir: Path) -> None:
     """Replicas of one running slot and one waiting request each: a burst beyond that is
-    answered 429 with Retry-After and the OpenAI body by the replicas themselves (Ray's own queue
-    limit lies above theirs), counted in /metrics; every replica applies the queue bound in
-    seconds; a request's time limit ends it with 504."""
+    answered 429 with Retry-After and the OpenAI body, by the ingress gate in Ray's proxy from
+    the replicas' published room or by the replicas themselves (Ray's own queue limit lies above
+    theirs), counted in /metrics; /health is answered while the replicas are busy; every
+    replica applies the queue bound in seconds; a request's time limit ends it with 504."""
     from ray import serve
 
     serve.delete(APP_NAME)  # the module's deployment holds both CPUs
@@ -251,14 +265,20 @@ def test_admission_limits_apply_through_replicas(replicas: str, tiny_model_dir: 
     deployed = launch_replicas(opts, HOST, int(replicas.rsplit(":", 1)[1]))
     try:
         body = _completion("x", 400, ignore_eos=True)
+        before = _rejected(replicas)
 
-        async def burst() -> list[httpx.Response]:
+        async def burst() -> tuple[list[httpx.Response], int]:
             async with _client(replicas) as c:
-                return list(
-                    await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(12)))
-                )
+                sent = [
+                    asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(12)
+                ]
+                while not any(t.done() for t in sent):
+                    await asyncio.sleep(0.01)
+                health = (await c.get("/health")).status_code  # while the replicas are busy
+                return list(await asyncio.gather(*sent)), health
 
-        responses = asyncio.run(burst())
+        responses, health = asyncio.run(burst())
+        assert health == 200
         statuses = [r.status_code for r in responses]
         assert set(statuses) == {200, 429}, statuses
         # At most a running and a waiting request per replica while the first ones run.
@@ -269,13 +289,13 @@ def test_admission_limits_apply_through_replicas(replicas: str, tiny_model_dir: 
                 assert r.json()["error"]["code"] == "rate_limit_exceeded"
         deadline = time.monotonic() + 15
         while True:  # replicas push their pages every second
-            rejected = sum(
-                v for n, _, v in _metrics(replicas) if n == "eeserve_admission_rejected_total"
-            )
+            after = _rejected(replicas)
+            rejected = sum(after) - sum(before)
             if rejected == statuses.count(429) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         assert rejected == statuses.count(429)
+        assert after[1] > before[1]  # the proxy ran the gate: part of the burst reached no replica
         limits: dict[str, dict[str, float]] = {}
         for n, labels, v in _metrics(replicas):
             if n == "eeserve_admission_limit":

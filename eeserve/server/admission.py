@@ -36,11 +36,12 @@ no first token yet) and running (generating). Reserved and waiting requests are 
 
 ``refusal_for_any()`` is the ``Overloaded`` of a request that asks for the least there is (one
 prompt token, one output token), or None: while it is not None, no request can be admitted, whatever
-its body says. A request that finds the queue empty is always admitted, so that one larger than the
-token limit is still served, alone. ``Overloaded`` names the limit and a ``retry_after`` in whole
-seconds from the same estimate: how long until the queue ahead has started enough of its requests to
-take this one (1 to ``MAX_RETRY_AFTER_S``; 1 while no rate is measured yet). ``queue_seconds()`` is
-the estimate for a request of no tokens (NaN without rates).
+its body says; ``room()`` is how many more requests of the recent mean cost it would admit (0
+while no request can be). A request that finds the queue empty is always admitted, so that one
+larger than the token limit is still served, alone. ``Overloaded`` names the limit and a
+``retry_after`` in whole seconds from the same estimate: how long until the queue ahead has started
+enough of its requests to take this one (1 to ``MAX_RETRY_AFTER_S``; 1 while no rate is measured
+yet). ``queue_seconds()`` is the estimate for a request of no tokens (NaN without rates).
 """
 
 from __future__ import annotations
@@ -196,6 +197,7 @@ class Admission:
         self._likely = 0  # prompt tokens the open tickets likely hold beyond their least
         self._generated: deque[int] = deque(maxlen=_FINISHED_WINDOW)
         self._per_byte: deque[tuple[int, int]] = deque(maxlen=_FINISHED_WINDOW)
+        self._settled: deque[Cost] = deque(maxlen=_FINISHED_WINDOW)  # per engine request
 
     @property
     def queued_tokens(self) -> int:
@@ -220,6 +222,8 @@ class Admission:
         exact = total(costs)
         if ticket.prompt_bytes:
             self._per_byte.append((exact.prompt, ticket.prompt_bytes))
+        n = max(1, len(costs))
+        self._settled.append(Cost(exact.prompt // n, exact.output // n))
         refusal = None if ticket.first else self._refusal(len(costs), exact)
         if refusal is not None:
             raise _overloaded(refusal)
@@ -263,6 +267,25 @@ class Admission:
         token and one output token would pass a limit (None: some request could be admitted)."""
         refusal = self._refusal(1, Cost(1, 1))
         return None if refusal is None else _overloaded(refusal)
+
+    def room(self) -> int:
+        """How many more engine requests, each costing what the last ones settled did on
+        average (one prompt and one output token until one has), the queue would admit now: 0
+        while ``refusal_for_any()`` is not None. An ingress in front of several servers refuses
+        from it without asking them (``server.ingress``)."""
+        if self._refusal(1, Cost(1, 1)) is not None:
+            return 0
+        settled = list(self._settled)  # one step: an ingress reads this off the loop's thread
+        n = max(1, len(settled))
+        typical = Cost(
+            max(1, sum(c.prompt for c in settled) // n), max(1, sum(c.output for c in settled) // n)
+        )
+        lo, hi = 1, max(1, self.limits.max_waiting_requests - self.waiting_requests)
+        while lo < hi:  # the most k whose group of k fits; a group of 1 counts as fitting
+            k = (lo + hi + 1) // 2
+            fits = self._refusal(k, Cost(typical.prompt * k, typical.output * k)) is None
+            lo, hi = (k, hi) if fits else (lo, k - 1)
+        return lo
 
     def queue_seconds(self) -> float:
         delay = self._delay(0, Cost(0, 0))

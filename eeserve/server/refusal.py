@@ -34,11 +34,16 @@ _API_TYPES = {
 }
 
 
+def limit_type(limit: Limit) -> str:
+    """The 429 error's ``type`` for a refusal by ``limit``."""
+    return _API_TYPES[limit]
+
+
 def overloaded_error(e: Overloaded) -> ApiError:
     return ApiError(
         429,
         str(e),
-        type_=_API_TYPES[e.limit],
+        type_=limit_type(e.limit),
         code="rate_limit_exceeded",
         headers={"Retry-After": str(e.retry_after)},
     )

@@ -20,7 +20,10 @@ Serve's per-replica limits are set from the same numbers (``ray_limits``): a rep
 most its running batch, its waiting requests and ``ONGOING_HEADROOM`` more at once (room for the
 quick 429s), so that the replica's own check, not Ray, decides; when every replica is at that
 limit, Ray's proxy queues up to ``max_queued_requests`` more and answers the rest itself with 429
-and ``Retry-After: 1`` (a plain-text body).
+and ``Retry-After: 1`` (a plain-text body). In front of that, each replica publishes its
+admission state (``replica_state``) to the hub every ``ingress.PUBLISH_S`` seconds, and the
+ingress gate in Ray's proxy (``server.ingress``, installed by the variable ``init_ray`` sets)
+refuses from it and answers ``/health`` without routing to a replica.
 Ray is imported only here, lazily: without ``--replicas`` nothing imports it; without the
 ``ray`` extra a Ray option is a ``ValueError`` naming the extra.
 """
@@ -47,15 +50,24 @@ from eeserve.config import EngineConfig
 from eeserve.engine_args import engine_config
 from eeserve.server.admission import ServingLimits
 from eeserve.server.app import create_app
+from eeserve.server.engine_loop import EngineLoop
+from eeserve.server.ingress import (
+    HUB_NAME,
+    NAMESPACE,
+    PROXY_CALLBACK,
+    PROXY_CALLBACK_ENV,
+    PUBLISH_S,
+    ReplicaState,
+    key_digest,
+)
 from eeserve.server.metrics import ServerMetrics
+from eeserve.server.refusal import limit_type
 from eeserve.server.replica_metrics import MetricsHub, merge_pages
 from eeserve.server.startup import build_engine, freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
 APP_NAME = "eeserve"
-HUB_NAME = "eeserve-metrics"
-NAMESPACE = "eeserve"
 # Ray runs its workers at niceness 15 by default: replicas and batch actors would then get no CPU
 # while anything else runs. A cluster started here runs them at normal priority, like the
 # single-process server (for an existing cluster: `RAY_worker_niceness=0 ray start ...`).
@@ -79,7 +91,10 @@ def import_ray(*subpackages: str) -> Any:
 
 def init_ray(ray: Any, address: str | None) -> None:
     """Connect to the cluster at ``address``, or start a local one whose workers run at normal
-    priority (``LOCAL_SYSTEM_CONFIG``)."""
+    priority (``LOCAL_SYSTEM_CONFIG``) and whose Serve proxy runs the ingress gate
+    (``server.ingress``; the proxy inherits the variable from this process)."""
+    if address is None:
+        os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
     ray.init(
         address=address,
         namespace=NAMESPACE,
@@ -117,6 +132,7 @@ class EngineReplica:
             limits=opts.limits,
         )
         self._metrics: ServerMetrics = self._asgi.state.ctx.metrics
+        self._key_digest = key_digest(opts.api_key)
         # Daemon: it ends with the replica's process.
         threading.Thread(target=self._push_loop, name="eeserve-metrics", daemon=True).start()
         freeze_startup_heap()
@@ -134,17 +150,41 @@ class EngineReplica:
         return self._hub.put.remote(self._replica, os.getpid(), text)
 
     def _push_loop(self) -> None:
+        """The replica's state for the ingress gate every ``PUBLISH_S``, its metrics page every
+        ``_PUSH_INTERVAL_S`` (fire and forget: a hub that lags delays neither)."""
+        next_page = 0.0
         while True:
             try:
-                self._push()
+                state = replica_state(self._replica, self._asgi.state.engine_loop)
+                self._hub.put_state.remote(dataclasses.replace(state, key_digest=self._key_digest))
+                if time.monotonic() >= next_page:
+                    next_page = time.monotonic() + _PUSH_INTERVAL_S
+                    self._push()
             except Exception:  # the hub may be gone while the app shuts down
                 log.debug("metrics push failed", exc_info=True)
-            time.sleep(_PUSH_INTERVAL_S)
+            time.sleep(PUBLISH_S)
 
     async def _metrics_view(self, metrics: ServerMetrics) -> tuple[bytes, str]:
         await self._push()  # this replica's page is current; the others are at most 1 s old
         pages = await self._hub.pages.remote()
-        return merge_pages(pages), CONTENT_TYPE_LATEST
+        refused = await self._hub.ingress_refused.remote()
+        return merge_pages(pages, refused), CONTENT_TYPE_LATEST
+
+
+def replica_state(replica: str, loop: EngineLoop) -> ReplicaState:
+    """What the ingress gate decides from (``ingress.ReplicaState``; no key digest). Read off the
+    event loop's thread, as the metrics page is: a moment's inconsistency between the counts
+    only moves an estimate that the next state, ``PUBLISH_S`` later, corrects."""
+    adm = loop.admission
+    refusal = adm.refusal_for_any()
+    return ReplicaState(
+        replica=replica,
+        serving=loop.alive and not loop.draining,
+        held=adm.waiting_requests + adm.running_requests,
+        room=0 if refusal is not None else adm.room(),
+        limit=limit_type(refusal.limit) if refusal is not None else "requests",
+        retry_after=refusal.retry_after if refusal is not None else 1,
+    )
 
 
 @dataclass
