@@ -148,3 +148,19 @@ def test_room_counts_requests_of_the_recent_mean_cost() -> None:
     meter.record(1.0, 0, 10)
     assert math.isclose(adm.queue_seconds(), 2.8)
     assert adm.room() == 5  # 5 more of 40 tokens: 4.8 s; a sixth: 5.2 s > 5 s
+
+
+def test_metrics_page_counts_the_gates_refusals_beside_the_replicas() -> None:
+    """The replicas' merged /metrics page carries the gate's refusals by type, and the soak
+    reads both counts off it."""
+    from eeserve.bench.soak_sample import read_refusals
+    from eeserve.server.replica_metrics import ReplicaPage, merge_pages
+
+    page = (
+        "# TYPE eeserve_admission_rejected counter\n"
+        'eeserve_admission_rejected_total{limit="waiting_requests"} 3.0\n'
+    )
+    pages = [ReplicaPage("r1", 11, page), ReplicaPage("r2", 12, page)]
+    text = merge_pages(pages, {"requests": 5, "queue_seconds": 2}).decode()
+    assert 'eeserve_ingress_rejected_total{type="queue_seconds"} 2.0' in text
+    assert read_refusals(text) == {"replicas": 6.0, "ingress": 7.0}

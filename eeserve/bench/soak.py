@@ -16,7 +16,8 @@ purpose; ``--chat-share`` sent as chat requests; every request asks for ``--max-
 loads are all 0 measures no capacity), and the JSON holds a record per burst and the bursts'
 checks. ``/health`` is probed throughout (``soak_sample.HealthProbe``). It writes
 ``<out-dir>/<label>.json`` (``provenance``: commit, date, machine, the exact command; capacity; the
-server's admission limits; per-interval records; per-load summaries; the checks of
+server's admission limits; the 429s it counted, by the replicas and by an ingress gate
+(``rejected_by``); per-interval records; per-load summaries; the checks of
 ``soak_report.checks``) and ``<label>.png`` (``soak_plots``), prints the summaries
 (``soak_report.format_summaries``) and returns 0, or 1 when a request failed or hung or the
 server went down. Only the given base URL (default: loopback) is contacted.
@@ -53,7 +54,14 @@ from eeserve.bench.soak_report import (
     service_alone,
     summarize_phase,
 )
-from eeserve.bench.soak_sample import HealthProbe, LoopLag, Sampler, read_limits, realtime
+from eeserve.bench.soak_sample import (
+    HealthProbe,
+    LoopLag,
+    Sampler,
+    read_limits,
+    read_refusals,
+    realtime,
+)
 from eeserve.bench.soak_server import soak_server
 from eeserve.tuning.prompts import prompt_texts
 from eeserve.tuning.provenance import provenance
@@ -222,6 +230,7 @@ async def _soak(
                 await task
         await load.aclose()
         up = await _healthy(client)
+        refused = read_refusals((await client.get("/metrics", timeout=30)).text)
     warmup = min(args.interval, 0.2 * min(durations))
     summaries = [
         summarize_phase(p, outs, sampler.samples, run.lag.samples, run.health.samples, warmup)
@@ -235,6 +244,7 @@ async def _soak(
         "provenance": _provenance(),
         "config": {**_config(args), "interval_s": args.interval, "warmup_s": warmup},
         "admission_limits": limits,
+        "rejected_by": refused,
         "capacity": cap,
         "alone": {k: service_alone(o) for k, o in alone.items()},
         "phases": [asdict(p) for p in phases],

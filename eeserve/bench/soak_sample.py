@@ -117,6 +117,19 @@ def read_limits(text: str) -> dict[str, float]:
     return out
 
 
+def read_refusals(text: str) -> dict[str, float]:
+    """The 429s a server counted (``/metrics``, summed over replicas): ``replicas``, by admission
+    control in the app; ``ingress``, by the ingress gate in Ray's proxy (0 without one)."""
+    out = {"replicas": 0.0, "ingress": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "eeserve_admission_rejected_total":
+                out["replicas"] += float(s.value)
+            elif s.name == "eeserve_ingress_rejected_total":
+                out["ingress"] += float(s.value)
+    return out
+
+
 def read_server(
     text: str | None, root: int | None
 ) -> tuple[dict[str, float], list[int], dict[float, float], tuple[float | None, ...]]:
