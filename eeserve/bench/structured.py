@@ -12,7 +12,8 @@ own; ``exits`` jump-forward plus exit mode at the model's default exit rule; ``d
 engine's default mode (speculative) under the constraint; ``hf`` HF transformers' ``generate``
 with the same compiled grammar as a logits processor (``bench.structured_hf``); ``llamacpp``
 llama.cpp's ``llama-server`` on the model's own GGUF with its own constraint path
-(``bench.structured_llamacpp``; built once, skipped where cmake or a compiler is missing). Per
+(``bench.structured_llamacpp``; built once, skipped where cmake or a compiler is missing; at
+batch sizes up to ``--llamacpp-max-batch``, 1 by default). Per
 workload, batch and mode: output tokens per second and valid outputs per second (medians over
 rounds), valid rate, forced and exited tokens, mean exit layer of the chosen tokens, token and
 field agreement with ``constrained``, and accuracy against the texts' own answers. A batch of B
@@ -250,7 +251,7 @@ def _contenders(
         own = own_gguf(llm.engine.model_path)
         if own is None:
             raise SystemExit(f"--modes llamacpp: {model} has no GGUF of its own to give llama.cpp")
-        slots = max(batches)
+        slots = min(max(batches), args.llamacpp_max_batch)
         ctx = slots * (PROMPT_ROOM + args.max_tokens)
         threads = torch.get_num_threads()
         llama = LlamaServer(native_tools().server, own[1], threads=threads, slots=slots, ctx=ctx)
@@ -295,6 +296,8 @@ def _rounds(
             for b in batches:
                 n = max(b, args.min_prompts)
                 for m in order:
+                    if m is Mode.LLAMACPP and b > args.llamacpp_max_batch:
+                        continue
                     outs, dt = runs.run(w, m, b, n, args)
                     cell = cells.setdefault((w.name, b, m), Cell(workload=w.name, batch=b, mode=m))
                     valid = [c for c in outs if w.valid(c.text)]
@@ -366,6 +369,13 @@ def add_structured_parser(sub: Any) -> None:
         type=float,
         default=None,
         help="the exits mode's threshold (default: the model's exit config)",
+    )
+    p.add_argument(
+        "--llamacpp-max-batch",
+        type=int,
+        default=1,
+        help="the largest batch the llamacpp mode runs (llama-server applies a grammar to one "
+        "slot's candidates at a time: at batch 32 a step takes seconds)",
     )
     p.add_argument("--out", default="bench/results/structured/structured.json")
     p.set_defaults(func=run_structured)
