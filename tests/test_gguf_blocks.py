@@ -36,6 +36,8 @@ from eeserve.models.gguf_weights import (
 GEOMETRY = {
     GGMLType.Q4_0: (32, 18, (0,)),
     GGMLType.Q4_1: (32, 20, (0, 2)),
+    GGMLType.Q5_0: (32, 22, (0,)),
+    GGMLType.Q5_1: (32, 24, (0, 2)),
     GGMLType.Q8_0: (32, 34, (0,)),
     GGMLType.Q4_K: (256, 144, (0, 2)),
     GGMLType.Q6_K: (256, 210, (208,)),
@@ -116,12 +118,18 @@ def test_modules_stack_parts_of_mixed_formats(ops: NativeOps) -> None:
         BlockWeight(
             ggml_type=kind, blocks=torch.from_numpy(random_blocks(kind, n, k, i)), in_features=k
         )
-        for i, (kind, n) in enumerate([(GGMLType.Q4_K, 40), (GGMLType.Q6_K, 24)])
+        for i, (kind, n) in enumerate(
+            [(GGMLType.Q4_K, 40), (GGMLType.Q6_K, 24), (GGMLType.Q6_K, 8)]
+        )
     ]
     w = torch.cat([reference(p.ggml_type, p.blocks.numpy()) for p in parts])
     lin = GGUFLinear(parts, ops)
+    assert [p.ggml_type for p in lin.parts] == [GGMLType.Q4_K, GGMLType.Q6_K]  # one call a format
     x = torch.randn(6, k)
     assert_float_sum_close(lin(x), x, w)
+    tail = GGUFLinear(lin.rows_from(30), ops)  # a K/V-only projection's rows, as views
+    assert tail.parts[0].blocks.data_ptr() == lin.parts[0].blocks[30:].data_ptr()
+    assert_float_sum_close(tail(x), x, w[30:])
     ids = torch.tensor([0, 39, 40, 63, 5])
     assert torch.equal(lin.weight[ids], w[ids])
     emb = GGUFEmbedding(parts[1], ops)
@@ -129,12 +137,12 @@ def test_modules_stack_parts_of_mixed_formats(ops: NativeOps) -> None:
 
 
 def test_an_unsupported_type_is_refused_by_name(ops: NativeOps, tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match="ggml type 6 is not supported"):
-        ops.gguf_dequantize(torch.zeros(1, 22, dtype=torch.uint8), 6, 32)  # Q5_0
-    path = tmp_path / "q5.gguf"
+    with pytest.raises(RuntimeError, match="ggml type 11 is not supported"):
+        ops.gguf_dequantize(torch.zeros(1, 110, dtype=torch.uint8), 11, 256)  # Q3_K
+    path = tmp_path / "q3.gguf"
     writer = GGUFWriter(str(path), "llama")
-    q5 = GGMLQuantizationType.Q5_0
-    writer.add_tensor("token_embd.weight", np.zeros((4, 22), np.uint8), raw_dtype=q5)
+    q3 = GGMLQuantizationType.Q3_K
+    writer.add_tensor("token_embd.weight", np.zeros((4, 110), np.uint8), raw_dtype=q3)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -150,7 +158,7 @@ def test_an_unsupported_type_is_refused_by_name(ops: NativeOps, tmp_path: Path) 
             "vocab_size": 4,
         }
     )
-    with pytest.raises(UnsupportedBlockType, match=r"token_embd\.weight is stored as Q5_0"):
+    with pytest.raises(UnsupportedBlockType, match=r"token_embd\.weight is stored as Q3_K"):
         read_block_weights(path, cfg)
 
 

@@ -46,6 +46,19 @@ class BlockRows:
         return out
 
 
+def merged(parts: Sequence[BlockWeight]) -> list[BlockWeight]:
+    """``parts`` with neighbours of one format joined into one block tensor: one kernel call
+    (one parallel region) for a fused projection whose parts share their format."""
+    out: list[BlockWeight] = []
+    for p in parts:
+        if out and out[-1].ggml_type == p.ggml_type:
+            blocks = torch.cat([out[-1].blocks, p.blocks])
+            out[-1] = BlockWeight(ggml_type=p.ggml_type, blocks=blocks, in_features=p.in_features)
+        else:
+            out.append(p)
+    return out
+
+
 class GGUFLinear(nn.Module):
     """x [n, K] float32 -> [n, N]; ``parts`` stacked along the output (N = their rows)."""
 
@@ -54,10 +67,10 @@ class GGUFLinear(nn.Module):
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("GGUFLinear: parts of different input widths")
         # Plain attributes, not buffers: to_empty() at load must not replace the blocks.
-        self.parts, self.ops = list(parts), ops
+        self.parts, self.ops = merged(parts), ops
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
-        self.weight = BlockRows(parts, ops)
+        self.weight = BlockRows(self.parts, ops)
         self.bias: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,6 +82,18 @@ class GGUFLinear(nn.Module):
             self.ops.gguf_linear(x2, p.blocks, int(p.ggml_type), out[:, lo:hi])
             lo = hi
         return out.view(*x.shape[:-1], self.out_features)
+
+    def rows_from(self, start: int) -> list[BlockWeight]:
+        """Its parts from output row ``start`` on, as views of the same blocks (no copy)."""
+        out, lo = [], 0
+        for p in self.parts:
+            if lo + p.out_features > start:
+                view = p.blocks[max(0, start - lo) :]
+                out.append(
+                    BlockWeight(ggml_type=p.ggml_type, blocks=view, in_features=p.in_features)
+                )
+            lo += p.out_features
+        return out
 
     def nbytes(self) -> int:
         """Bytes of the blocks (what a pass reads)."""
@@ -94,8 +119,9 @@ def use_gguf_weights(
     for i, layer in enumerate(model.layers):
         b = {name: blocks[f"layers.{i}.{name}"] for name in ("q", "k", "v", "o", "gate", "up")}
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = GGUFLinear([b["q"], b["k"], b["v"]], ops)  # type: ignore[assignment]
-        attn.kv_proj = GGUFLinear([b["k"], b["v"]], ops)
+        qkv = GGUFLinear([b["q"], b["k"], b["v"]], ops)
+        attn.qkv_proj = qkv  # type: ignore[assignment]
+        attn.kv_proj = GGUFLinear(qkv.rows_from(b["q"].out_features), ops)
         attn.o_proj = GGUFLinear([b["o"]], ops)  # type: ignore[assignment]
         mlp.gate_up_proj = GGUFLinear([b["gate"], b["up"]], ops)  # type: ignore[assignment]
         mlp.down_proj = GGUFLinear([blocks[f"layers.{i}.down"]], ops)  # type: ignore[assignment]

@@ -32,6 +32,8 @@ class GGMLType(IntEnum):
 
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
     Q4_K = 12
     Q6_K = 14

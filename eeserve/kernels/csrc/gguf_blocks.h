@@ -1,12 +1,12 @@
 // eeserve CPU kernels: GGUF block formats, decoded 32 weights at a time into float registers.
 //
-// Contract: for each supported ggml type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) a Format struct gives
+// Contract: for each supported ggml type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) a Format struct gives
 // its block geometry (QK weights in TYPE_SIZE bytes) and decode(blk, g, w): group g (0..QK/32) of
 // the block at blk -> the group's 32 weights in w[32 / L] vectors of L lanes. The values equal
 // gguf.quants.dequantize (the converter's reference, ggml's dequantize_row_*) bit for bit.
 //
 // Why bit-exact under -ffast-math: every product below is exact in float32 (an fp16 scale has 11
-// significant bits, a 4-bit quant 4, a 6-bit super-block scale 6: Q4_K's (d * sc) * q has at
+// significant bits, a 4- or 5-bit quant 4 or 5, a 6-bit super-block scale 6: Q4_K's (d * sc) * q has at
 // most 21 bits), so the only rounding is the reference's own one of a sum (Q4_1's d * q + m,
 // Q4_K's d * q - dm) or of a product (Q6_K's (d * sc) * q, 25 bits, rounded once whether the
 // compiler computes it as d * (sc * q) or not). Fusing a multiply with its add (FMA) or
@@ -49,6 +49,12 @@ inline V fmsub(V a, V b, V c) { return _mm512_fmsub_ps(a, b, c); }
 inline V ldf(const float* p) { return _mm512_loadu_ps(p); }
 inline void stf(float* p, V a) { _mm512_storeu_ps(p, a); }
 inline float hsum(V a) { return _mm512_reduce_add_ps(a); }
+// Lane l: bit base + l of word.
+inline VI bits(uint32_t word, int base) {
+  const VI lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const VI at = _mm512_add_epi32(lanes, _mm512_set1_epi32(base));
+  return band(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), at), 1);
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int L = 8;
 using V = __m256;
@@ -76,6 +82,10 @@ inline float hsum(V a) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+inline VI bits(uint32_t word, int base) {
+  const VI at = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(base));
+  return band(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), at), 1);
 }
 #else
 // The portable lanes: plain arrays whose loops the compiler vectorises for what the CPU has.
@@ -106,6 +116,11 @@ inline V fmsub(V a, V b, V c) {
 inline V ldf(const float* p) { V r; std::memcpy(r.v, p, sizeof r.v); return r; }
 inline void stf(float* p, V a) { std::memcpy(p, a.v, sizeof a.v); }
 inline float hsum(V a) { float s = 0.f; for (int i = 0; i < L; ++i) s += a.v[i]; return s; }
+inline VI bits(uint32_t word, int base) {
+  VI a;
+  for (int i = 0; i < L; ++i) a.v[i] = (word >> (base + i)) & 1u;
+  return a;
+}
 #endif
 
 constexpr int GROUP = 32;        // weights one decode call yields
@@ -123,7 +138,7 @@ inline float half_at(const uint8_t* p) {
 }
 
 // ggml type ids (gguf.GGMLQuantizationType), as the ops take them.
-enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
 // Q4_0: d (fp16), 16 bytes of nibbles: weight i < 16 the low nibble of byte i, i >= 16 the high
 // nibble of byte i - 16; value d * (q - 8).
@@ -148,6 +163,37 @@ struct FQ4_1 {
       const int i = c * L;
       const VI q = band(shr(ld_u8(b + 4 + i % 16), 4 * (i / 16)), 15);
       w[c] = fmadd(d, tof(q), m);  // d * q is exact: one rounding, the reference's
+    }
+  }
+};
+
+// Q5_0: d (fp16), 32 high bits (a little-endian word: bit i is weight i's fifth bit), then Q4_0's
+// nibbles; value d * (q - 16). Q4_K_M files keep rows whose width is no multiple of 256 in it.
+struct FQ5_0 {
+  static constexpr int64_t QK = 32, TYPE_SIZE = 22;
+  static inline void decode(const uint8_t* b, int, V* w) {
+    const V d = set1(half_at(b));
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, sizeof qh);
+    for (int c = 0; c < NW; ++c) {
+      const int i = c * L;
+      const VI lo = band(shr(ld_u8(b + 6 + i % 16), 4 * (i / 16)), 15);
+      w[c] = mul(d, tof(subi(bor(lo, shl(bits(qh, i), 4)), 16)));
+    }
+  }
+};
+
+// Q5_1: d, m (fp16), then Q5_0's high bits and nibbles; value d * q + m.
+struct FQ5_1 {
+  static constexpr int64_t QK = 32, TYPE_SIZE = 24;
+  static inline void decode(const uint8_t* b, int, V* w) {
+    const V d = set1(half_at(b)), m = set1(half_at(b + 2));
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, sizeof qh);
+    for (int c = 0; c < NW; ++c) {
+      const int i = c * L;
+      const VI lo = band(shr(ld_u8(b + 8 + i % 16), 4 * (i / 16)), 15);
+      w[c] = fmadd(d, tof(bor(lo, shl(bits(qh, i), 4))), m);  // d * q exact, as Q4_1
     }
   }
 };

@@ -2,7 +2,7 @@
 //
 // Contract:
 // - gguf_dequantize(w, type, k): w uint8 [N, row_bytes], each row K / QK blocks of ggml type
-//   `type` (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K: gguf_blocks.h) -> float32 [N, k], equal to
+//   `type` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K: gguf_blocks.h) -> float32 [N, k], equal to
 //   gguf.quants.dequantize bit for bit.
 // - gguf_linear(x, w, type, out): x [M, K] float32, w as above -> writes out [M, N] (float32, unit
 //   column stride, any row stride: a column slice of a wider output) = x @ dequantize(w)^T, the
@@ -14,13 +14,15 @@
 // ~1/5 of float32's bytes; there each group of 32 weights is decoded in registers and used at
 // once by every row (rows_direct). From FEW + 1 rows on, decoding the same weights for every row
 // would bound the step by arithmetic: a tile of TN output channels is decoded once into a small
-// per-thread float buffer (in L1/L2) and every row reads it from there (rows_tiled).
+// per-thread float buffer (in L1/L2) and every row reads it from there (rows_tiled). With
+// AVX-512 that tile is laid out as the float32 kernel's (f32_ops.cpp) and multiplied by it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "gguf_blocks.h"
+#include "linear_tiles.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -30,14 +32,14 @@ namespace {
 
 using namespace eeserve_gguf;
 
-constexpr int64_t FEW = 4;  // rows_direct up to this many rows
-constexpr int64_t TN = 16;  // output channels per decoded tile of rows_tiled
+constexpr int64_t FEW = 8;  // rows_direct up to this many rows
 #if defined(__AVX512F__)
-constexpr int CH = 4;   // channels at once in rows_direct: CH * FEW accumulators of 32 registers
-constexpr int MR = 6;   // rows_tiled's register tile: MR x CT accumulators
-constexpr int CT = 4;
+constexpr int64_t TN = 32;  // channels per decoded tile: one tile of the float32 kernel
+// Channels at once in rows_direct for MT rows: CH * MT accumulators + NW weights of 32 registers.
+template <int MT> constexpr int CH = MT <= 4 ? 4 : 2;
 #else
-constexpr int CH = 2;   // CH * FEW accumulators + NW weights of 16 registers
+constexpr int64_t TN = 16;  // channels per decoded tile of rows_tiled
+template <int MT> constexpr int CH = MT <= 4 ? 2 : 1;  // of 16 registers
 constexpr int MR = 2;
 constexpr int CT = 4;
 #endif
@@ -77,10 +79,73 @@ void direct_tile(const Args& a, int64_t n0) {
 template <class F, int MT>
 void rows_direct(const Args& a, int64_t lo, int64_t hi) {
   int64_t n = lo;
-  for (; n + CH <= hi; n += CH) direct_tile<F, CH, MT>(a, n);
+  for (; n + CH<MT> <= hi; n += CH<MT>) direct_tile<F, CH<MT>, MT>(a, n);
   for (; n < hi; ++n) direct_tile<F, 1, MT>(a, n);
 }
 
+#if defined(__AVX512F__)
+// 16 rows of 16 floats -> their transpose (unpack within 128-bit lanes, then lanes across).
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// Channels [n0, n0 + 16) (zero past N) decoded into the float32 kernel's layout: buf [K, 16],
+// a column of the block the 16 channels' weights at one input.
+template <class F>
+void decode_block16(const Args& a, int64_t n0, float* buf) {
+  alignas(64) float rows[16][GROUP];
+  for (int64_t j = 0; j < a.K / GROUP; ++j) {
+    for (int c = 0; c < 16; ++c) {
+      V w[NW];
+      if (n0 + c < a.N) decode_group<F>(a, n0 + c, j, w);
+      for (int v = 0; v < NW; ++v) stf(rows[c] + v * L, n0 + c < a.N ? w[v] : zero());
+    }
+    for (int h = 0; h < GROUP / 16; ++h) {
+      __m512 r[16];
+      for (int c = 0; c < 16; ++c) r[c] = _mm512_load_ps(rows[c] + 16 * h);
+      transpose16(r);
+      for (int k = 0; k < 16; ++k) _mm512_storeu_ps(buf + (j * GROUP + 16 * h + k) * 16, r[k]);
+    }
+  }
+}
+
+// From FEW + 1 rows: each tile of 32 channels decoded once into the float32 kernel's layout
+// (2 blocks of [K, 16], in L2) and multiplied by that kernel's own register tiles (f32_tiles),
+// which need no horizontal sums.
+template <class F>
+void rows_tiled(const Args& a, int64_t lo, int64_t hi) {
+  std::vector<float> buf(2 * a.K * 16), y(a.M * TN);
+  const eeserve_linear::F32Args f{a.x, buf.data(), nullptr, y.data(), a.M, a.K, TN};
+  for (int64_t n0 = lo; n0 < hi; n0 += TN) {
+    decode_block16<F>(a, n0, buf.data());
+    decode_block16<F>(a, n0 + 16, buf.data() + a.K * 16);
+    eeserve_linear::f32_tiles(f, 0, 1);
+    const int64_t chans = std::min(TN, hi - n0);
+    for (int64_t m = 0; m < a.M; ++m)
+      std::copy(y.data() + m * TN, y.data() + m * TN + chans, a.y + m * a.ldy + n0);
+  }
+}
+#else
 // Rows [m0, m0 + RT) against channels [c0, c0 + C) of the decoded tile buf [TN, K] (whose
 // channel 0 is output n0).
 template <int RT, int C>
@@ -132,6 +197,7 @@ void rows_tiled(const Args& a, int64_t lo, int64_t hi) {
     if (m < a.M) buffer_rest<MR - 1>(a, buf.data(), m, a.M - m, n0, chans);
   }
 }
+#endif
 
 template <class F>
 void run_linear(const Args& a) {
@@ -144,10 +210,14 @@ void run_linear(const Args& a) {
       case 2: return rows_direct<F, 2>(a, lo, hi);
       case 3: return rows_direct<F, 3>(a, lo, hi);
       case 4: return rows_direct<F, 4>(a, lo, hi);
+      case 5: return rows_direct<F, 5>(a, lo, hi);
+      case 6: return rows_direct<F, 6>(a, lo, hi);
+      case 7: return rows_direct<F, 7>(a, lo, hi);
+      case 8: return rows_direct<F, 8>(a, lo, hi);
       default: return rows_tiled<F>(a, lo, hi);
     }
   });
-  static_assert(FEW == 4, "rows_direct is instantiated for 1..FEW rows");
+  static_assert(FEW == 8, "rows_direct is instantiated for 1..FEW rows");
 }
 
 template <class F>
@@ -168,10 +238,12 @@ void with_format(int64_t type, Fn&& fn) {
   switch (type) {
     case Q4_0: return fn(FQ4_0{});
     case Q4_1: return fn(FQ4_1{});
+    case Q5_0: return fn(FQ5_0{});
+    case Q5_1: return fn(FQ5_1{});
     case Q8_0: return fn(FQ8_0{});
     case Q4_K: return fn(FQ4_K{});
     case Q6_K: return fn(FQ6_K{});
-    default: TORCH_CHECK(false, "gguf: ggml type ", type, " is not supported (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)");
+    default: TORCH_CHECK(false, "gguf: ggml type ", type, " is not supported (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K)");
   }
 }
 
