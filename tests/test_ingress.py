@@ -52,14 +52,15 @@ BODY = {"model": "m", "prompt": "x", "max_tokens": 2}
 
 
 def test_gate_refuses_beyond_the_replicas_room_and_answers_health_itself() -> None:
-    """Two replicas, one holding a request with room for one more, the other full with three:
-    of seven requests at once, five go on (as many as the replicas hold plus their room: the
-    gate counts the requests it let through as held), the other two get 429 at once with the
-    full replica's Retry-After and type; /health is answered while the replicas hold
-    everything; answered requests free their places."""
+    """Two replicas, one holding a request with room for two more, the other three and room for
+    one: of eight requests at once, six go on (as many as the replicas hold plus their least
+    room times two: Ray, not the gate, picks the replica; the gate counts the requests it let
+    through as held), the other two get 429 at once with the fuller replica's Retry-After and
+    type; /health is answered while the replicas hold everything; answered requests free their
+    places."""
     routing = _Routing()
-    full = _state("b", held=3, room=0, limit="queue_seconds", retry_after=7)
-    source = _Source([_state("a", held=1, room=1), full])
+    fuller = _state("b", held=3, room=1, retry_after=7)
+    source = _Source([_state("a", held=1, room=2, limit="queue_seconds", retry_after=9), fuller])
     gate = IngressGate(routing, source, poll_s=0.01)
 
     async def run() -> dict[str, Any]:
@@ -69,7 +70,7 @@ def test_gate_refuses_beyond_the_replicas_room_and_answers_health_itself() -> No
             await c.get("/v1/models")  # starts the gate's poll; passes through
             await until(lambda: gate.view is not None, "a view")
             routing.release.clear()
-            sent = [asyncio.create_task(c.post("/v1/completions", json=BODY)) for _ in range(7)]
+            sent = [asyncio.create_task(c.post("/v1/completions", json=BODY)) for _ in range(8)]
             await until(lambda: sum(t.done() for t in sent) == 2, "two refusals")
             early = [t for t in sent if t.done()]
             out: dict[str, Any] = {"early": [t.result() for t in early]}
@@ -85,12 +86,12 @@ def test_gate_refuses_beyond_the_replicas_room_and_answers_health_itself() -> No
     assert [r.status_code for r in out["early"]] == [429, 429]
     for r in out["early"]:
         assert r.headers["Retry-After"] == "7"
-        assert r.json()["error"]["type"] == "queue_seconds"
+        assert r.json()["error"]["type"] == "requests"
         assert r.json()["error"]["code"] == "rate_limit_exceeded"
     assert out["health"].status_code == 200 and out["health"].json() == {"status": "ok"}
-    assert out["seen"].count("/v1/completions") == 5 and "/health" not in out["seen"]
-    assert [r.status_code for r in out["late"]] == [200] * 5
-    assert source.refused == {"queue_seconds": 2}
+    assert out["seen"].count("/v1/completions") == 6 and "/health" not in out["seen"]
+    assert [r.status_code for r in out["late"]] == [200] * 6
+    assert source.refused == {"requests": 2}
     assert out["next"].status_code == 200  # answered ones free their places
 
 

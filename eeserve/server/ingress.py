@@ -16,8 +16,9 @@ handing it its refusal counts, and from the latest view (no older than ``STALE_S
 - A ``POST`` to a generation path that carries the replicas' key is answered 429 at once (its
   body drained unread; ``Retry-After``, OpenAI's ``rate_limit_exceeded`` body, the replicas'
   limit as its ``type``) while the generation requests this gate has let through and not seen
-  answered are as many as the replicas hold plus their room: a request on its way to a replica
-  counts against the room it is about to take. Refusals are counted by ``type``.
+  answered are as many as the replicas hold plus their least room times their number (Ray, not
+  the gate, picks each request's replica): a request on its way to a replica counts against the
+  room it is about to take. Refusals are counted by ``type``.
 
 Everything else goes on to Ray's routing untouched, and so does every request while the gate has
 no fresh view (no replica deployed yet, a hub that does not answer): then, and for every request
@@ -78,7 +79,7 @@ StateSource = Callable[[dict[str, int]], Awaitable[list[ReplicaState]]]
 class GateView:
     """What the gate decides from: the latest fresh states, summed."""
 
-    capacity: int  # requests the serving replicas hold plus their room
+    capacity: int  # requests the serving replicas hold, plus their least room times their number
     serving: bool
     limit: str
     retry_after: int
@@ -90,8 +91,12 @@ class GateView:
         if not live:
             return None  # nothing to decide from: the replicas answer
         full = [s for s in live if s.room == 0] or live
+        # Ray routes each request to the replica it picks (the fewest requests in flight), not
+        # to the one with room: new requests split about evenly, so the least room, times the
+        # replicas, is what fits (the sum of their rooms let 1 in 5 through only to be refused
+        # by a replica under a 400-request burst, slowly).
         return cls(
-            capacity=sum(s.held + s.room for s in live),
+            capacity=sum(s.held for s in live) + len(live) * min(s.room for s in live),
             serving=True,
             limit=min(full, key=lambda s: s.retry_after).limit,
             retry_after=max(1, min(s.retry_after for s in full)),
