@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from eeserve.cli import _build_parser
-from eeserve.config import EngineConfig
+from eeserve.config import EngineConfig, Weights
 from eeserve.engine_args import COMMAND_NAMED, add_engine_args, engine_config, flag_of
 
 
@@ -49,6 +49,7 @@ def test_flag_defaults_are_the_config_defaults() -> None:
         (["--attention-context", "0"], "attention_context", 0.0),
         (["--exit-policy", "batch_all"], "exit_policy", "batch_all"),
         (["--quantization", "int8"], "quantization", "int8"),
+        (["--weights", "native"], "weights", Weights.NATIVE),
     ],
 )
 def test_flags_set_their_field(argv: list[str], field: str, value: object) -> None:
@@ -58,6 +59,15 @@ def test_flags_set_their_field(argv: list[str], field: str, value: object) -> No
 def test_choices_come_from_the_config() -> None:
     with pytest.raises(SystemExit):
         _parser().parse_args(["--kv-fill", "nope"])
+
+
+def test_native_weights_take_no_int8() -> None:
+    assert EngineConfig().weights is Weights.FLOAT32
+    with pytest.raises(ValueError, match="weights must be one of"):
+        EngineConfig(weights="q4")
+    for other in ({"quantization": "int8"}, {"speculative_draft": "int8"}):
+        with pytest.raises(ValueError, match="takes neither quantization"):
+            EngineConfig(weights="native", **other)
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "batch", "calibrate"])
