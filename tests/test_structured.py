@@ -10,8 +10,10 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
 from eeserve import LLM, SamplingParams, StructuredOutputsParams
+from eeserve.engine.grammar import GrammarCompiler, draft_masks
 from eeserve.exit_params import ExitParams
 from tests.tiny_model import (
     build_agreeing_model,
@@ -296,3 +298,31 @@ def test_exits_are_judged_over_the_allowed_tokens(agreeing_dir: Path) -> None:
     free = SamplingParams(max_tokens=16, ignore_eos=True)
     (f,) = run_together(llm, ["Say it"], free, [strict])
     assert set(f.exit_layers) == {L}
+
+
+def test_the_matchers_masks_follow_rollbacks_onto_another_branch(tiny_model_dir: Path) -> None:
+    """Masks are kept per position along the accepted tokens: after a rollback and another
+    token, each position's mask is that of a matcher that took the new tokens from the start."""
+    llm = make_llm(tiny_model_dir)
+    compiler = GrammarCompiler(llm.tokenizer, vocab_size=320, eos=llm.engine.grammars.eos_token_id)
+    grammar = compiler.compile(StructuredOutputsParams(regex="a[0-9]x|b[x-z][0-9]"))
+    tok = {c: llm.tokenizer.convert_tokens_to_ids(c) for c in "ab1xy"}
+    assert len(set(tok.values())) == 5  # each character a token of its own
+
+    def fresh(tokens: list[int]) -> torch.Tensor:
+        m = grammar.matcher()
+        m.accept(tokens)
+        return m.allowed().clone()
+
+    m = grammar.matcher()
+    m.accept([tok["a"], tok["1"]])
+    assert torch.equal(m.allowed(), fresh([tok["a"], tok["1"]]))
+    m.rollback(2)
+    m.accept([tok["b"]])
+    assert torch.equal(m.allowed(), fresh([tok["b"]]))
+    assert not torch.equal(m.allowed(), fresh([tok["a"]]))
+    m.accept([tok["y"]])
+    masks = draft_masks(m, [tok["b"], tok["y"]])  # as a verification of two drafts reads them
+    want = [fresh([]), fresh([tok["b"]]), fresh([tok["b"], tok["y"]])]
+    assert all(torch.equal(a, b) for a, b in zip(masks, want))
+    assert torch.equal(m.allowed(), want[-1])  # still after both drafts

@@ -63,8 +63,9 @@ class Grammar:
         return TokenMatcher(m, self.vocab_size, self.eos_token_id)
 
 
-# Masks kept behind the current position: more than a verification or a preemption rolls back.
-KEEP_MASKS = 64
+# Masks kept behind the current position (a verification rolls back up to its drafts; a mask
+# dropped is computed again if a longer rollback needs it).
+KEEP_MASKS = 16
 
 
 @dataclass(kw_only=True)
@@ -144,7 +145,9 @@ class TokenMatcher:
                 del self._path[n:]
                 self._path.append(t)
                 self._masks = {k: m for k, m in self._masks.items() if k <= n}
-            self._masks.pop(n - KEEP_MASKS, None)  # further back than any rollback reaches
+            self._masks.pop(n - KEEP_MASKS, None)
+            if (left := self._masks.get(n)) is not None:
+                left.allowed = None  # [V] bool: 8x the bitmask, made again from it if read
             # The end of sequence after a complete grammar ends the output: llguidance takes
             # nothing more, so it is recorded as not consumed (for ``rollback``).
             done = t == self.eos_token_id and self._m.is_stopped()
