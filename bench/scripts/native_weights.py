@@ -1,0 +1,105 @@
+"""Decode speed of native GGUF weights against float32, alternated process by process.
+
+Each round runs one process per weight source (``--weights float32``, then ``native``), each
+timing greedy decode of the model at full depth (``exit_policy=none``) at batch 1, 8 and 32
+(32-token bench prompts, 64 new tokens, 2 torch threads). Writes every row, the per-round
+native/float32 ratios and their medians, whether the two sources' tokens are identical, which
+kernel path the CPU's ISA selects, and the provenance of the run (command, commit, CPU model and
+ISA flags).
+Usage: native_weights.py --model smollm2 --rounds 3 --out FILE.json
+(``native_weights.py --measure SOURCE --model M`` is the child each process runs.)
+"""
+
+import argparse
+import hashlib
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+BATCHES = (1, 8, 32)
+SOURCES = ("float32", "native")
+
+
+def measure(source: str, model: str) -> None:
+    import torch
+
+    from eeserve.bench.measure import run_engine
+    from eeserve.bench.report_run import build_prompts
+    from eeserve.config import EngineConfig
+    from eeserve.engine.llm_engine import LLMEngine
+
+    torch.set_num_threads(2)
+    engine = LLMEngine(EngineConfig(model=model, weights=source, exit_policy="none"))
+    prompts = [p[:32] for p in build_prompts(engine.tokenizer, 32, seed=0, chat=False)]
+    run_engine(engine, prompts[:2], 8)  # warm-up
+    for b in BATCHES:
+        run = run_engine(engine, prompts[:b], 64)
+        tokens = hashlib.md5(json.dumps(run.outputs).encode()).hexdigest()
+        row = {"weights": source, "batch": b, "decode_tok_s": run.decode_tokens_per_s}
+        print(json.dumps({**row, "tokens_md5": tokens}), flush=True)
+
+
+def run_side(source: str, model: str) -> list[dict[str, object]]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", source, "--model", model]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def kernel_path(isa: list[str]) -> str:
+    """The block kernels' path that the build selects for this CPU (csrc/gguf_blocks.h)."""
+    return "avx512" if "avx512f" in isa else ("avx2" if "avx2" in isa else "portable")
+
+
+def summarise(rows: list[dict[str, object]]) -> list[dict[str, object]]:
+    summary = []
+    for b in BATCHES:
+        mine = [x for x in rows if x["batch"] == b]
+        f32 = {x["round"]: x for x in mine if x["weights"] == "float32"}
+        nat = {x["round"]: x for x in mine if x["weights"] == "native"}
+        ratios = [nat[r]["decode_tok_s"] / f32[r]["decode_tok_s"] for r in f32]  # type: ignore[operator]
+        summary.append(
+            {
+                "batch": b,
+                "float32_tok_s": [f32[r]["decode_tok_s"] for r in f32],
+                "native_tok_s": [nat[r]["decode_tok_s"] for r in f32],
+                "ratios_native_over_float32": ratios,
+                "median_ratio": statistics.median(ratios),
+                "same_tokens": all(nat[r]["tokens_md5"] == f32[r]["tokens_md5"] for r in f32),
+            }
+        )
+        print(json.dumps(summary[-1]))
+    return summary
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--measure", choices=SOURCES)
+    args = p.parse_args()
+    if args.measure:
+        return measure(args.measure, args.model)
+    from eeserve.tuning.provenance import provenance
+
+    rows = []
+    for r in range(args.rounds):
+        for source in SOURCES:
+            rows += [{"round": r, **x} for x in run_side(source, args.model)]
+    record = provenance()
+    record["command"] = " ".join(["python", "bench/scripts/native_weights.py", *sys.argv[1:]])
+    result = {
+        "provenance": record,
+        "kernel_path": kernel_path(record["machine"]["isa"]),
+        "setup": "full depth, 32-token prompts, 64 new tokens, 2 torch threads, greedy",
+        "summary": summarise(rows),
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
