@@ -40,6 +40,7 @@ from eeserve.engine.speculator import Speculator
 from eeserve.engine.weights import WeightFormat, WeightKernels, place_weights
 from eeserve.exit_params import DraftSource
 from eeserve.kernels.fused import FusedDecoder
+from eeserve.kernels.gguf_linear import GGUFLinear
 from eeserve.kernels.native import load as load_native
 from eeserve.kernels.screened_head import head_logits
 from eeserve.models.config import ModelConfig, rope_tables
@@ -205,10 +206,12 @@ class ModelRunner:
         and the threads."""
         c, o = self.config, self.opts
         kernels = "native" if self.native is not None else "torch"
+        blocks = isinstance(self.model.lm_head, GGUFLinear)  # native weights: GGUF blocks
+        fmt = o.quantization or ("gguf" if blocks else "float")
         return (
             f"{type(self.model).__name__}-d{c.hidden_size}-i{c.intermediate_size}-h{c.num_heads}"
             f"-kv{c.num_kv_heads}-hd{c.head_dim}-{str(o.dtype).removeprefix('torch.')}"
-            f"-{o.quantization or 'float'}-{kernels}-{o.device.type}-t{torch.get_num_threads()}"
+            f"-{fmt}-{kernels}-{o.device.type}-t{torch.get_num_threads()}"
             f"-l{c.num_layers}"
         )
 
