@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGUFReader
 
 from eeserve.models.config import GEMMA3, ModelConfig
 
@@ -89,8 +90,6 @@ def from_hf(name: str) -> bool:
 
 def read_block_weights(path: Path, cfg: ModelConfig) -> dict[str, BlockWeight]:
     """The GGUF file's projections, embedding and head (see the module's contract)."""
-    from gguf import GGUFReader
-
     reader = GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
     wanted = {"token_embd.weight": "embed", "output.weight": "lm_head"}

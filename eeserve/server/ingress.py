@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
@@ -220,6 +221,4 @@ def hub_source() -> StateSource:
 
 def proxy_middlewares() -> list[Any]:
     """Ray Serve's proxy callback (``PROXY_CALLBACK``): the gate in front of its routing."""
-    from starlette.middleware import Middleware
-
     return [Middleware(IngressGate)]
