@@ -80,8 +80,10 @@ def main() -> None:
     args = p.parse_args()
     rows = [serve_side(args.model, s) for s in SOURCES]
     gguf = default_gguf() if args.model == "smollm2" else None
+    record = provenance()
+    record["command"] = " ".join(["python", "bench/scripts/serve_rss.py", *sys.argv[1:]])
     result = {
-        "provenance": provenance(),
+        "provenance": record,
         "model": args.model,
         "gguf_mb": gguf.stat().st_size / 2**20 if gguf is not None else None,
         "rows": rows,
