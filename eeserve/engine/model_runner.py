@@ -374,8 +374,12 @@ class ModelRunner:
         layer_passes = full
         if eb is None:
             normed, layers_run = self.forward(batch)
-            allowed = [m[-1] if (m := masks.get(SeqIdx(i))) else None for i in range(len(seqs))]
-            logits = self.logits(normed, sampling, argmax_only, allowed if masks else None)
+            allowed = (
+                [m[-1] if (m := masks.get(SeqIdx(i))) else None for i in range(len(seqs))]
+                if masks
+                else None
+            )
+            logits = self.logits(normed, sampling, argmax_only, allowed)
             steps = [SeqStep(exit_layer=full) for _ in seqs]
         else:
             h0, rot = self._inputs(batch)
