@@ -100,7 +100,6 @@ def test_llamacpp_mode_decodes_under_the_same_constraints(
     out = tmp_path / "structured.json"
     args = ["bench", "structured", "--model", str(tiny_varied_dir), "--batch-sizes", "1,2"]
     args += ["--modes", "constrained,llamacpp", "--min-prompts", "2", "--max-tokens", "48"]
-    args += ["--llamacpp-max-batch", "2"]
     assert main([*args, "--rounds", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     llama = [r for r in rows if r["mode"] == "llamacpp"]

@@ -12,8 +12,7 @@ own; ``exits`` jump-forward plus exit mode at the model's default exit rule; ``d
 engine's default mode (speculative) under the constraint; ``hf`` HF transformers' ``generate``
 with the same compiled grammar as a logits processor (``bench.structured_hf``); ``llamacpp``
 llama.cpp's ``llama-server`` on the model's own GGUF with its own constraint path
-(``bench.structured_llamacpp``; built once, skipped where cmake or a compiler is missing; at
-batch sizes up to ``--llamacpp-max-batch``, 1 by default). Per
+(``bench.structured_llamacpp``; built once, skipped where cmake or a compiler is missing). Per
 workload, batch and mode: output tokens per second and valid outputs per second (medians over
 rounds), valid rate, forced and exited tokens, mean exit layer of the chosen tokens, token and
 field agreement with ``constrained``, and accuracy against the texts' own answers. A batch of B
@@ -137,17 +136,10 @@ def _generate_hf(
     grammar = llm.engine.grammars.compile(w.constraint)
     ids, dt = hf.generate(prompts, grammar, batch, args.max_tokens)
     full = llm.engine.model_config.num_layers
-    outs = [
-        CompletionOutput(
-            index=0,
-            text=llm.tokenizer.decode([t for t in r if t != hf.eos], skip_special_tokens=True),
-            token_ids=r,
-            finish_reason="stop" if r and r[-1] == hf.eos else "length",
-            exit_layers=[full] * len(r),
-            forced=[False] * len(r),
-        )
-        for r in ids
-    ]
+    outs = []
+    for r in ids:
+        text = llm.tokenizer.decode([t for t in r if t != hf.eos], skip_special_tokens=True)
+        outs.append(_peer_output(text, r, bool(r) and r[-1] == hf.eos, full))
     return outs, dt
 
 
@@ -162,18 +154,19 @@ def _generate_llamacpp(
         got += server.generate(prompts[i : i + batch], w.constraint, args.max_tokens)
     dt = time.perf_counter() - start
     full = llm.engine.model_config.num_layers
-    outs = [
-        CompletionOutput(
-            index=0,
-            text=g.text,
-            token_ids=g.token_ids,
-            finish_reason="stop" if g.stopped else "length",
-            exit_layers=[full] * len(g.token_ids),
-            forced=[False] * len(g.token_ids),
-        )
-        for g in got
-    ]
-    return outs, dt
+    return [_peer_output(g.text, g.token_ids, g.stopped, full) for g in got], dt
+
+
+def _peer_output(text: str, token_ids: list[int], stopped: bool, full: int) -> CompletionOutput:
+    """A peer's answer as the engine's output at full depth (nothing forced, nothing exited)."""
+    return CompletionOutput(
+        index=0,
+        text=text,
+        token_ids=token_ids,
+        finish_reason="stop" if stopped else "length",
+        exit_layers=[full] * len(token_ids),
+        forced=[False] * len(token_ids),
+    )
 
 
 def _score(cell: Cell, w: Workload, outs: list[CompletionOutput], num_layers: int) -> None:
@@ -251,7 +244,7 @@ def _contenders(
         own = own_gguf(llm.engine.model_path)
         if own is None:
             raise SystemExit(f"--modes llamacpp: {model} has no GGUF of its own to give llama.cpp")
-        slots = min(max(batches), args.llamacpp_max_batch)
+        slots = max(batches)
         ctx = slots * (PROMPT_ROOM + args.max_tokens)
         threads = torch.get_num_threads()
         llama = LlamaServer(native_tools().server, own[1], threads=threads, slots=slots, ctx=ctx)
@@ -296,8 +289,6 @@ def _rounds(
             for b in batches:
                 n = max(b, args.min_prompts)
                 for m in order:
-                    if m is Mode.LLAMACPP and b > args.llamacpp_max_batch:
-                        continue
                     outs, dt = runs.run(w, m, b, n, args)
                     cell = cells.setdefault((w.name, b, m), Cell(workload=w.name, batch=b, mode=m))
                     valid = [c for c in outs if w.valid(c.text)]
@@ -369,13 +360,6 @@ def add_structured_parser(sub: Any) -> None:
         type=float,
         default=None,
         help="the exits mode's threshold (default: the model's exit config)",
-    )
-    p.add_argument(
-        "--llamacpp-max-batch",
-        type=int,
-        default=1,
-        help="the largest batch the llamacpp mode runs (llama-server applies a grammar to one "
-        "slot's candidates at a time: at batch 32 a step takes seconds)",
     )
     p.add_argument("--out", default="bench/results/structured/structured.json")
     p.set_defaults(func=run_structured)

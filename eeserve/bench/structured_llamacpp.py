@@ -2,7 +2,8 @@
 
 Contract: ``LlamaServer(server, gguf, threads=, slots=, ctx=)`` starts llama.cpp's own server
 (``bench.llamacpp_build``; one process, ``slots`` sequences decoded together, ``ctx`` tokens of
-KV cache shared among them) on a free local port and waits until it answers ``/health``.
+KV cache shared among them) on a free local port, its log in a temporary file (the end of it in
+the error when it does not start), and waits until it answers ``/health``.
 ``generate(prompts, constraint, max_tokens)`` sends the prompts (token ids: the same chat
 template and tokenizer as the engine's) at once, one a slot, greedy, and returns per prompt the
 text and token ids; ``close()`` stops the server. A constraint goes the way llama.cpp takes it: a
@@ -17,14 +18,14 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import time
-import urllib.error
+import tempfile
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eeserve.bench.serve import wait_healthy
 from eeserve.structured_outputs import StructuredOutputsParams
 
 START_TIMEOUT_S = 120.0
@@ -64,22 +65,16 @@ class LlamaServer:
         self.slots = slots
         cmd = [str(server), "-m", str(gguf), "-t", str(threads), "-np", str(slots)]
         cmd += ["-c", str(ctx), "--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self._wait_ready()
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"llama-server exited ({self.proc.returncode}):\n{err[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(0.2)  # 503 while the model loads, refused before it listens
-        self.close()
-        raise RuntimeError(f"llama-server did not answer /health within {START_TIMEOUT_S:.0f} s")
+        # Its log goes to a file: a pipe nobody reads fills up and stops the server mid-run.
+        with tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False) as f:
+            self.log = Path(f.name)
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(f"http://127.0.0.1:{self.port}", self.proc, START_TIMEOUT_S)
+        except RuntimeError as e:
+            tail = self.log.read_text(errors="replace")[-2000:]
+            self.close()
+            raise RuntimeError(f"llama-server: {e}; the end of its log:\n{tail}") from None
 
     def _one(self, prompt: list[int], fields: dict[str, Any], max_tokens: int) -> LlamaOut:
         body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0}
@@ -114,3 +109,4 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.unlink(missing_ok=True)
