@@ -13,17 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from eeserve import LLM
 from eeserve.engine.attention import AttnMeta, PagedKVCache, SeqSpan
 from eeserve.engine.kernel_route import Kernel, route_pass
 from eeserve.engine.measures import confidence
 from eeserve.kernels.fused import CheckedSpan, FusedCall, FusedDecoder, PassAttention, StackCheck
+from eeserve.kernels.gguf_linear import GGUFLinear
 from eeserve.kernels.native import NativeOps, load
 from eeserve.kernels.packing import NativeRMSNorm, PackedLinear, pack_for_cpu, use_native_ops
 from eeserve.kernels.quant import Int8Linear, quantize_model
 from eeserve.kernels.stack_layout import StackArch, StackMeasure
 from eeserve.models.config import ModelConfig, rope_tables
+from eeserve.models.gguf_weights import BlockWeight, GGMLType
 from eeserve.models.llama import LlamaForCausalLM, RMSNorm, Rotary
 
 CFG = ModelConfig(
@@ -60,9 +64,40 @@ def _model(ops: NativeOps, kind: str) -> LlamaForCausalLM:
     use_native_ops(model, ops)
     if kind == "int8":
         quantize_model(model, ops)
+    elif kind == "gguf":
+        gguf_projections(model, ops)
     else:
         pack_for_cpu(model, ops)
     return model
+
+
+# The formats of a gguf model's parts: qkv mixes three (one kernel call over the parts), the
+# rest one each; every block format whose block is 32 weights (the tiny widths are 32k).
+QKV_TYPES = (GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_0)
+OTHER_TYPES = {"o": GGMLType.Q5_0, "gate_up": GGMLType.Q5_1, "down": GGMLType.Q8_0}
+
+
+def _blocks(weight: torch.Tensor, kind: GGMLType) -> BlockWeight:
+    """``weight`` [N, K] quantized by the gguf package into ``kind``'s blocks."""
+    blocks = quantize(weight.detach().numpy(), GGMLQuantizationType(int(kind)))
+    return BlockWeight(ggml_type=kind, blocks=torch.from_numpy(blocks), in_features=weight.shape[1])
+
+
+def gguf_projections(model: LlamaForCausalLM, ops: NativeOps) -> None:
+    """The model's projections on GGUF blocks of its own weights; the head stays float32."""
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        w = attn.qkv_proj.weight
+        cuts = (attn.q_size, attn.q_size + (w.shape[0] - attn.q_size) // 2, w.shape[0])
+        rows = [w[a:b] for a, b in zip((0, *cuts[:2]), cuts)]
+        qkv = GGUFLinear([_blocks(r, t) for r, t in zip(rows, QKV_TYPES)], ops)
+        attn.qkv_proj = qkv  # type: ignore[assignment]
+        attn.kv_proj = GGUFLinear(qkv.rows_from(attn.q_size), ops)
+        attn.o_proj = GGUFLinear([_blocks(attn.o_proj.weight, OTHER_TYPES["o"])], ops)  # type: ignore[assignment]
+        gate_up = _blocks(mlp.gate_up_proj.weight, OTHER_TYPES["gate_up"])
+        mlp.gate_up_proj = GGUFLinear([gate_up], ops)  # type: ignore[assignment]
+        down = _blocks(mlp.down_proj.weight, OTHER_TYPES["down"])
+        mlp.down_proj = GGUFLinear([down], ops)  # type: ignore[assignment]
 
 
 def _cache(ops: NativeOps, slots: int = 64) -> PagedKVCache:
@@ -107,7 +142,7 @@ def _prompt() -> AttnMeta:
                           torch.arange(50, 60), max_rows=8)  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["float32", "int8"])
+@pytest.mark.parametrize("kind", ["float32", "int8", "gguf"])
 @pytest.mark.parametrize(
     ("pass_", "call"),
     [
@@ -193,7 +228,7 @@ def _inputs(meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.randn(len(pos), CFG.hidden_size), cos, sin
 
 
-@pytest.mark.parametrize("kind", ["float32", "int8"])
+@pytest.mark.parametrize("kind", ["float32", "int8", "gguf"])
 @pytest.mark.parametrize("call", list(FusedCall))
 @pytest.mark.parametrize(("start", "end"), [(0, 3), (1, 3), (1, 2)])
 def test_a_layer_range_of_decode_rows_equals_the_module_path(
@@ -233,14 +268,15 @@ def _decode_pass(
 Args = dict[str, object]  # an op's keyword arguments
 
 
-def _stack_args(ops: NativeOps, kv: PagedKVCache) -> Args:
-    """decode_stack's keyword arguments for the int8 model's three layers over the long decode
-    rows, writing to ``kv``."""
-    fused, plan, h, cos, sin = _decode_pass(ops, "int8")
+def _stack_args(ops: NativeOps, kv: PagedKVCache, kind: str = "int8") -> Args:
+    """decode_stack's keyword arguments for the ``kind`` model's three layers over the long
+    decode rows, writing to ``kv``."""
+    fused, plan, h, cos, sin = _decode_pass(ops, kind)
     return fused._stack_args(h, cos, sin, kv.k, kv.v, plan, None, 0, CFG.num_layers)
 
 
-def test_the_output_does_not_depend_on_the_thread_count(ops: NativeOps) -> None:
+@pytest.mark.parametrize("kind", ["int8", "gguf"])
+def test_the_output_does_not_depend_on_the_thread_count(ops: NativeOps, kind: str) -> None:
     """Threads claim tiles and attention tasks as they come; each is computed by the same code
     whoever claims it, so one thread and several give the same bits."""
     outs = []
@@ -249,7 +285,7 @@ def test_the_output_does_not_depend_on_the_thread_count(ops: NativeOps) -> None:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
             kv = _cache(ops, SLOTS)
-            args = _stack_args(ops, kv)
+            args = _stack_args(ops, kv, kind)
             with torch.inference_mode():
                 outs.append((ops.ops.decode_stack(**args), kv.k.clone(), kv.v.clone()))
     finally:

@@ -1,8 +1,9 @@
 """Whole decoder layers in one kernel call each (``csrc/layer_ops.cpp``).
 
 Contract: ``FusedDecoder.build(model, ops)`` returns a decoder when every projection of the model
-runs on one of the engine's own linear kernels (``PackedLinear`` on float32 or ``Int8Linear``,
-with ``ops``) and its norms are the engine's, else None (also for a layer type without a kernel).
+runs on one of the engine's own linear kernels (``PackedLinear`` on float32, ``Int8Linear`` or
+``GGUFLinear`` on GGUF blocks, with ``ops``) and its norms are the engine's, else None (also for a
+layer type without a kernel).
 Llama layers run ``decoder_layer``, Gemma 3 layers ``gemma3_layer`` (its local layers with the
 local rotary tables and ``local_attn``, the rows' windowed contexts). ``run`` computes the layers
 ``[start, end)`` for the rows of a pass (decode rows attended one by one, prompts and prompt

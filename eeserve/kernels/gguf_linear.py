@@ -4,8 +4,10 @@ Contract: ``GGUFLinear(parts, ops)`` is x [n, K] float32 -> [n, N] = x W^T, wher
 ``BlockWeight``s ``parts`` stacked along the output (a fused qkv or gate/up projection may mix
 formats: Q4_K_M files keep some rows in Q6_K), each de-quantized inside the kernel
 (``csrc/gguf_ops.cpp``) exactly as ``gguf.quants.dequantize`` does, with float32 activations and
-sums: F.linear on the de-quantized weights up to summation order. ``weight[ids]`` gives rows of
-the de-quantized weight (what the engine's exit checks and draft heads read of an LM head).
+sums: F.linear on the de-quantized weights up to summation order, in one kernel call over all
+the parts (``gguf_stacked_linear``: one flat block buffer and its parts table, the form the fused
+layers take too). ``weight[ids]`` gives rows of the de-quantized weight (what the engine's exit
+checks and draft heads read of an LM head).
 ``GGUFEmbedding`` looks token ids up in block rows, de-quantized bit for bit.
 ``use_gguf_weights(model, blocks, ops)`` puts them in place of a model's projections, embedding
 and head; it runs on the model while it is still on the meta device (``models.loader``), so no
@@ -46,41 +48,61 @@ class BlockRows:
         return out
 
 
-def merged(parts: Sequence[BlockWeight]) -> list[BlockWeight]:
-    """``parts`` with neighbours of one format joined into one block tensor: one kernel call
-    (one parallel region) for a fused projection whose parts share their format."""
-    out: list[BlockWeight] = []
+def joined(parts: Sequence[BlockWeight]) -> torch.Tensor:
+    """The parts' bytes as one flat uint8 tensor: a view where they already lie end to end in one
+    storage (a tail of another projection's parts), else one copy."""
+    first = parts[0].blocks
+    total = sum(p.blocks.numel() for p in parts)
+    at = first.data_ptr()
     for p in parts:
-        if out and out[-1].ggml_type == p.ggml_type:
-            blocks = torch.cat([out[-1].blocks, p.blocks])
-            out[-1] = BlockWeight(ggml_type=p.ggml_type, blocks=blocks, in_features=p.in_features)
-        else:
-            out.append(p)
-    return out
+        same = p.blocks.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        if not (same and p.blocks.is_contiguous() and p.blocks.data_ptr() == at):
+            return torch.cat([q.blocks.reshape(-1) for q in parts])
+        at += p.blocks.numel()
+    storage = first.untyped_storage()
+    return first.new_empty(0).set_(storage, first.storage_offset(), (total,), (1,))
 
 
 class GGUFLinear(nn.Module):
-    """x [n, K] float32 -> [n, N]; ``parts`` stacked along the output (N = their rows)."""
+    """x [n, K] float32 -> [n, N]; ``parts`` stacked along the output (N = their rows).
+
+    Its bytes live in one flat buffer ``blocks`` described by ``table`` (int64 [P, 2]: ggml type,
+    rows per run of one format): the form every kernel takes (``gguf_stacked_linear``, and the
+    fused layers' projections, ``kernels.stack_layout.projection``). ``parts`` are views of it."""
 
     def __init__(self, parts: Sequence[BlockWeight], ops: NativeOps) -> None:
         super().__init__()
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("GGUFLinear: parts of different input widths")
         # Plain attributes, not buffers: to_empty() at load must not replace the blocks.
-        self.parts, self.ops = merged(parts), ops
+        self.blocks, self.ops = joined(parts), ops
         self.in_features = parts[0].in_features
+        self.parts = self._runs(parts)
+        self.table = torch.tensor([[int(p.ggml_type), p.out_features] for p in self.parts])
         self.out_features = sum(p.out_features for p in parts)
         self.weight = BlockRows(self.parts, ops)
         self.bias: torch.Tensor | None = None
 
+    def _runs(self, parts: Sequence[BlockWeight]) -> list[BlockWeight]:
+        """Views of ``blocks``, one per run of neighbouring parts of one format."""
+        out: list[BlockWeight] = []
+        at = 0
+        for p in parts:
+            rows, width = p.blocks.shape
+            if out and out[-1].ggml_type == p.ggml_type:
+                first, rows = at - out[-1].blocks.numel(), rows + out[-1].out_features
+                out.pop()
+            else:
+                first = at
+            view = self.blocks[first : first + rows * width].view(rows, width)
+            out.append(BlockWeight(ggml_type=p.ggml_type, blocks=view, in_features=p.in_features))
+            at += p.blocks.numel()
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float()
         out = x2.new_empty(x2.shape[0], self.out_features)
-        lo = 0
-        for p in self.parts:
-            hi = lo + p.out_features
-            self.ops.gguf_linear(x2, p.blocks, int(p.ggml_type), out[:, lo:hi])
-            lo = hi
+        self.ops.gguf_stacked_linear(x2, self.blocks, self.table, out)
         return out.view(*x.shape[:-1], self.out_features)
 
     def rows_from(self, start: int) -> list[BlockWeight]:
@@ -97,7 +119,7 @@ class GGUFLinear(nn.Module):
 
     def nbytes(self) -> int:
         """Bytes of the blocks (what a pass reads)."""
-        return sum(p.blocks.numel() for p in self.parts)
+        return int(self.blocks.numel())
 
 
 class GGUFEmbedding(nn.Module):

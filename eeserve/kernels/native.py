@@ -137,6 +137,14 @@ class NativeOps:
         (unit column stride) = x @ gguf_dequantize(blocks)^T, float32 arithmetic."""
         self.ops.gguf_linear(x, blocks, ggml_type, out)
 
+    def gguf_stacked_linear(
+        self, x: torch.Tensor, blocks: torch.Tensor, parts: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """``gguf_linear`` on parts stacked along the output, in one call: blocks flat uint8
+        (the parts' rows one after another), parts int64 [P, 2] (ggml type, rows) per part
+        (``csrc/gguf_linear.h``)."""
+        self.ops.gguf_stacked_linear(x, blocks, parts, out)
+
     def f32_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
     ) -> torch.Tensor:

@@ -20,6 +20,7 @@ from functools import cached_property
 
 import torch
 
+from eeserve.kernels.gguf_linear import GGUFLinear
 from eeserve.kernels.native import NativeOps
 from eeserve.kernels.packing import NativeRMSNorm, PackedLinear
 from eeserve.kernels.quant import Int8Linear
@@ -50,16 +51,18 @@ STACK_MEASURES: Mapping[str, StackMeasure] = StackMeasure.__members__
 class Projection:
     """A projection's packed tensors, as one of the engine's linear kernels reads them."""
 
-    weight: torch.Tensor  # float32 [blocks, K, 16] or int8 [blocks, Kp / 2, 16, 2]
-    scale: torch.Tensor | None  # int8 scales; None: float32
+    # float32 [blocks, K, 16], int8 [blocks, Kp / 2, 16, 2], or GGUF blocks (flat uint8)
+    weight: torch.Tensor
+    # int8: its scales; GGUF: its parts table (int64 [P, 2]: ggml type, rows); float32: None
+    scale: torch.Tensor | None
     bias: torch.Tensor | None
 
 
 @dataclass(frozen=True, kw_only=True)
 class LlamaLayerWeights:
     """A Llama layer's tensors: ``decoder_layer``'s arguments of these names, and in this order
-    one layer of decode_stack's ``weights``. A projection's ``_s`` (scales) is None when it is
-    float32; only QKV has a bias."""
+    one layer of decode_stack's ``weights``. A projection's ``_s`` is its ``Projection.scale``
+    (None when it is float32); only QKV has a bias."""
 
     norm1: torch.Tensor  # the attention's input norm [D]
     norm2: torch.Tensor  # the MLP's input norm [D]
@@ -206,4 +209,6 @@ def projection(module: torch.nn.Module) -> Projection | None:
         return Projection(weight=module.packed, scale=None, bias=module.bias)
     if isinstance(module, Int8Linear) and module.ops is not None:
         return Projection(weight=module.qweight, scale=module.scale, bias=module.bias)
+    if isinstance(module, GGUFLinear):
+        return Projection(weight=module.blocks, scale=module.table, bias=None)
     return None

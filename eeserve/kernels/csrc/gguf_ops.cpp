@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "gguf_blocks.h"
+#include "gguf_linear.h"
 #include "linear_tiles.h"
 
 #include <algorithm>
@@ -141,7 +142,9 @@ void decode_block16(const Args& a, int64_t n0, float* buf) {
 // which need no horizontal sums.
 template <class F>
 void rows_tiled(const Args& a, int64_t lo, int64_t hi) {
-  std::vector<float> buf(2 * a.K * 16), y(a.M * TN);
+  // This thread's decoded tile and its output, kept across calls: decode_stack calls this per task.
+  thread_local std::vector<float> buf, y;
+  buf.resize(2 * a.K * 16), y.resize(a.M * TN);
   const eeserve_linear::F32Args f{a.x, buf.data(), nullptr, y.data(), a.M, a.K, TN};
   for (int64_t n0 = lo; n0 < hi; n0 += TN) {
     decode_block16<F>(a, n0, buf.data());
@@ -190,7 +193,8 @@ void buffer_rest(const Args& a, const float* buf, int64_t m0, int64_t rows, int6
 
 template <class F>
 void rows_tiled(const Args& a, int64_t lo, int64_t hi) {
-  std::vector<float> buf(TN * a.K);  // this thread's decoded tile: TN channels of K weights
+  thread_local std::vector<float> buf;  // this thread's decoded tile: TN channels of K weights
+  buf.resize(TN * a.K);
   for (int64_t n0 = lo; n0 < hi; n0 += TN) {
     const int64_t chans = std::min(TN, hi - n0);
     for (int64_t c = 0; c < chans; ++c)
@@ -206,24 +210,20 @@ void rows_tiled(const Args& a, int64_t lo, int64_t hi) {
 }
 #endif
 
+// Channels [lo, hi) of every row: decoded in registers up to FEW rows, through a tile above.
 template <class F>
-void run_linear(const Args& a) {
-  // Work in units of TN channels, so that a thread's range starts on a tile.
-  const int64_t units = (a.N + TN - 1) / TN;
-  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    const int64_t lo = u0 * TN, hi = std::min(a.N, u1 * TN);
-    switch (a.M) {
-      case 1: return rows_direct<F, 1>(a, lo, hi);
-      case 2: return rows_direct<F, 2>(a, lo, hi);
-      case 3: return rows_direct<F, 3>(a, lo, hi);
-      case 4: return rows_direct<F, 4>(a, lo, hi);
-      case 5: return rows_direct<F, 5>(a, lo, hi);
-      case 6: return rows_direct<F, 6>(a, lo, hi);
-      case 7: return rows_direct<F, 7>(a, lo, hi);
-      case 8: return rows_direct<F, 8>(a, lo, hi);
-      default: return rows_tiled<F>(a, lo, hi);
-    }
-  });
+void channels(const Args& a, int64_t lo, int64_t hi) {
+  switch (a.M) {
+    case 1: return rows_direct<F, 1>(a, lo, hi);
+    case 2: return rows_direct<F, 2>(a, lo, hi);
+    case 3: return rows_direct<F, 3>(a, lo, hi);
+    case 4: return rows_direct<F, 4>(a, lo, hi);
+    case 5: return rows_direct<F, 5>(a, lo, hi);
+    case 6: return rows_direct<F, 6>(a, lo, hi);
+    case 7: return rows_direct<F, 7>(a, lo, hi);
+    case 8: return rows_direct<F, 8>(a, lo, hi);
+    default: return rows_tiled<F>(a, lo, hi);
+  }
   static_assert(FEW == 8, "rows_direct is instantiated for 1..FEW rows");
 }
 
@@ -278,30 +278,89 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t k) {
   return out;
 }
 
+// The parts' tiles [lo, hi) for the rows of x [M, K] into y [M, ldy].
+void tiles_of(const eeserve_gguf_linear::Stacked& s, const float* x, int64_t M, float* y, int64_t ldy, int64_t lo,
+              int64_t hi) {
+  using eeserve_gguf_linear::TILE;
+  for (const auto& p : s.parts) {
+    const int64_t t0 = std::max(lo, p.first_tile), t1 = std::min(hi, p.first_tile + (p.rows + TILE - 1) / TILE);
+    if (t0 >= t1) continue;
+    const Args a{x, p.w, y + p.col, M, s.K, p.rows, p.row_bytes, ldy};
+    const int64_t c0 = (t0 - p.first_tile) * TILE, c1 = std::min(p.rows, (t1 - p.first_tile) * TILE);
+    with_format(p.type, [&](auto f) { channels<decltype(f)>(a, c0, c1); });
+  }
+}
+
+// out [M, N] (unit column stride) = x [M, K] times the stacked parts, one parallel region.
+void run_stacked(const eeserve_gguf_linear::Stacked& s, const at::Tensor& x, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == s.K, "gguf_linear: x float32 [M, ",
+              s.K, "]");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 && out.size(0) == x.size(0) &&
+                  out.size(1) == s.N,
+              "gguf_linear: out float32 [M, ", s.N, "] with unit column stride");
+  if (x.size(0) == 0) return;
+  const at::Tensor xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  const int64_t M = x.size(0), ldy = out.stride(0);
+  at::parallel_for(0, s.tiles, 1, [&](int64_t lo, int64_t hi) { tiles_of(s, xp, M, y, ldy, lo, hi); });
+}
+
 void gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, at::Tensor out) {
   check_blocks(w);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gguf_linear: x float32 [M, K]");
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
-                  out.size(0) == x.size(0) && out.size(1) == w.size(0),
-              "gguf_linear: out float32 [M, N] with unit column stride");
-  const at::Tensor xc = x.contiguous();
-  with_format(type, [&](auto f) {
-    using F = decltype(f);
-    check_rows<F>(w, x.size(1));
-    const Args a{xc.data_ptr<float>(), w.data_ptr<uint8_t>(), out.data_ptr<float>(), x.size(0),
-                 x.size(1), w.size(0), w.size(1), out.stride(0)};
-    if (a.M > 0 && a.N > 0) run_linear<F>(a);
-  });
+  TORCH_CHECK(x.dim() == 2, "gguf_linear: x float32 [M, K]");
+  const at::Tensor parts = at::tensor({type, w.size(0)}, at::kLong).view({1, 2});
+  run_stacked(eeserve_gguf_linear::read_stacked(w, parts, x.size(1)), x, out);
+}
+
+void gguf_stacked_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2, "gguf_stacked_linear: x float32 [M, K]");
+  run_stacked(eeserve_gguf_linear::read_stacked(blocks, parts, x.size(1)), x, out);
 }
 
 }  // namespace
 
+namespace eeserve_gguf_linear {
+
+Stacked read_stacked(const at::Tensor& blocks, const at::Tensor& parts, int64_t k) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous(), "gguf: blocks must be contiguous uint8");
+  TORCH_CHECK(parts.scalar_type() == at::kLong && parts.dim() == 2 && parts.size(1) == 2 && parts.size(0) > 0 &&
+                  parts.is_contiguous(),
+              "gguf: parts int64 [P, 2] (ggml type, rows)");
+  Stacked s;
+  s.K = k;
+  const int64_t* t = parts.data_ptr<int64_t>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  int64_t bytes = 0;
+  for (int64_t i = 0; i < parts.size(0); ++i) {
+    Part p{w + bytes, t[2 * i], t[2 * i + 1], 0, s.N, s.tiles};
+    with_format(p.type, [&](auto f) {
+      using F = decltype(f);
+      TORCH_CHECK(k > 0 && k % F::QK == 0, "gguf: K = ", k, " is not a multiple of the block's ", F::QK);
+      p.row_bytes = k / F::QK * F::TYPE_SIZE;
+    });
+    TORCH_CHECK(p.rows > 0, "gguf: a part of ", p.rows, " rows");
+    bytes += p.rows * p.row_bytes, s.N += p.rows, s.tiles += (p.rows + TILE - 1) / TILE;
+    s.parts.push_back(p);
+  }
+  TORCH_CHECK(blocks.numel() == bytes, "gguf: the parts' rows are ", bytes, " bytes, blocks has ", blocks.numel());
+  return s;
+}
+
+void stacked_tiles(const Stacked& s, const float* x, int64_t M, float* y, int64_t ldy, int64_t lo, int64_t hi) {
+  tiles_of(s, x, M, y, ldy, lo, hi);
+}
+
+}  // namespace eeserve_gguf_linear
+
 TORCH_LIBRARY_FRAGMENT(eeserve, m) {
   m.def("gguf_dequantize(Tensor w, int type, int k) -> Tensor");
   m.def("gguf_linear(Tensor x, Tensor w, int type, Tensor(a!) out) -> ()");
+  m.def("gguf_stacked_linear(Tensor x, Tensor blocks, Tensor parts, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(eeserve, CPU, m) {
   m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_stacked_linear", &gguf_stacked_linear);
 }

@@ -5,8 +5,9 @@
 // rotary_, decode_attention, span_attention, silu_mul and the linear kernels, called through the
 // dispatcher), in the same order: h_mid = h + o(attn(rotary(qkv(norm1(h))))), out = h_mid +
 // down(silu_mul(gate_up(norm2(h_mid)))). Each projection is either float32 in
-// packing.pack_blocks's layout (its scale undefined: f32_linear) or int8 in quant.pack_int8's
-// layout with its scales (int8_linear). The rows' new K/V are written at slot_mapping before
+// packing.pack_blocks's layout (its scale undefined: f32_linear), int8 in quant.pack_int8's
+// layout with its scales (int8_linear), or GGUF blocks with their parts table in the scale's place
+// (gguf_stacked_linear, gguf_linear.h). The rows' new K/V are written at slot_mapping before
 // attention, which is engine/attention.py's PagedKVCache.attend: the row-wise rows (row_idx, or
 // every row when row_idx is undefined and there is no span) attend one query each, row r to
 // row_slots[r, :row_lens[r]]; span i (a prompt or a chunk of one) is the consecutive rows from
@@ -30,9 +31,19 @@ namespace {
 
 using OptT = c10::optional<at::Tensor>;
 
-// x [R, K] -> [R, n] through the int8 kernel when the projection has scales, else float32.
+// x [R, K] -> [R, n] through the GGUF kernel for uint8 blocks (scale: their parts table), the int8
+// kernel when the projection has scales, else float32.
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptT& scale, const OptT& bias,
                    int64_t n) {
+  if (w.scalar_type() == at::kByte) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("eeserve::gguf_stacked_linear", "")
+                         .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor)>();
+    TORCH_CHECK(scale.has_value() && !bias.has_value(), "decoder_layer: GGUF blocks need their parts, no bias");
+    at::Tensor out = at::empty({x.size(0), n}, x.options());
+    op.call(x, w, *scale, out);
+    return out;
+  }
   if (scale.has_value()) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("eeserve::int8_linear", "")

@@ -1,8 +1,8 @@
 // eeserve CPU kernel internals: the data of one decode_stack pass (decode_stack.cpp), its
 // projections' arguments and their tasks. Included by decode_stack.cpp only.
 //
-// Contract: a Proj is one packed projection (float32 [tiles * 2, K, 16], or int8 with scales, as
-// linear_tiles.h computes them); a Layer is one decoder layer of either architecture (Llama, or
+// Contract: a Proj is one projection: float32 [tiles * 2, K, 16] or int8 with scales (as
+// linear_tiles.h computes them), or GGUF blocks with their parts table (gguf_linear.h); a Layer is one decoder layer of either architecture (Llama, or
 // Gemma 3 with its q/k norms, output norms and local flag); a Pass holds the call's shapes,
 // per-row buffers, the rows' contexts (global, and the local layers' windowed ones), layers and
 // exit checks; a Phase is one step of the walk (a layer's or a check's), whose tasks the threads
@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 
+#include "gguf_linear.h"
 #include "linear_tiles.h"
 #include "stack_layout.h"
 
@@ -29,12 +30,15 @@ inline Arch read_arch(int64_t a) {
   return static_cast<Arch>(a);
 }
 
-// One projection: float32 ([tiles * 2, K, 16]) or int8 ([tiles * 2, Kp / 2, 16, 2] with scales).
+// One projection: float32 ([tiles * 2, K, 16]), int8 ([tiles * 2, Kp / 2, 16, 2] with scales), or
+// GGUF blocks (uint8, its scale slot holding the parts table: gguf_linear.h).
 struct Proj {
   const void* w = nullptr;
-  const float* scale = nullptr;  // nullptr: float32
+  const float* scale = nullptr;  // nullptr: float32 or GGUF
   const float* bias = nullptr;
   int64_t n = 0, k = 0, kp = 0, tiles = 0, groups = 0;
+  bool gguf = false;
+  eeserve_gguf_linear::Stacked blocks;  // its parts, when gguf
 };
 
 struct Layer {
@@ -115,6 +119,12 @@ inline Proj make_proj(const c10::optional<at::Tensor>& w, const c10::optional<at
   TORCH_CHECK(w.has_value() && w->is_contiguous(), "decode_stack: a projection without its weight");
   Proj p;
   p.n = n, p.k = k, p.w = w->data_ptr();
+  if (w->scalar_type() == at::kByte) {  // GGUF blocks: the scale slot holds their parts
+    TORCH_CHECK(s.has_value() && !b.has_value(), "decode_stack: GGUF blocks need their parts table, and no bias");
+    p.gguf = true, p.kp = k, p.blocks = eeserve_gguf_linear::read_stacked(*w, *s, k), p.tiles = p.blocks.tiles;
+    TORCH_CHECK(p.blocks.N == n, "decode_stack: GGUF parts of ", p.blocks.N, " rows for ", n, " outputs");
+    return p;
+  }
   p.tiles = (n + TILE - 1) / TILE;
   TORCH_CHECK(w->size(0) == 2 * p.tiles, "decode_stack: a weight of ", w->size(0), " blocks for ", n, " outputs");
   if (s.has_value()) {
@@ -148,7 +158,9 @@ inline void stage_row(const Pass& ps, const Proj& p, const float* x, int64_t r) 
 inline void project_task(const Pass& ps, const Proj& p, float* y, int64_t t) {
   const int64_t per = (p.tiles + ps.tile_tasks_div - 1) / ps.tile_tasks_div;
   const int64_t lo = t * per, hi = std::min(p.tiles, lo + per);
-  if (p.scale != nullptr) {
+  if (p.gguf) {
+    eeserve_gguf_linear::stacked_tiles(p.blocks, ps.xn, ps.R, y, p.n, lo, hi);
+  } else if (p.scale != nullptr) {
     const eeserve_linear::Int8Args a{ps.xq, ps.xs, static_cast<const int8_t*>(p.w), p.scale, p.bias, y,
                                      ps.R, p.kp, p.n, p.groups};
     eeserve_linear::int8_tiles(a, lo, hi);
