@@ -3,9 +3,8 @@
 Each round runs one process per weight source (``--weights float32``, then ``native``), each
 timing greedy decode of the model at full depth (``exit_policy=none``) at batch 1, 8 and 32
 (32-token bench prompts, 64 new tokens, 2 torch threads). Writes every row, the per-round
-native/float32 ratios and their medians, whether the two sources' tokens are identical, which
-kernel path the CPU's ISA selects, and the provenance of the run (command, commit, CPU model and
-ISA flags).
+native/float32 ratios and their medians, whether the two sources' tokens are identical, and the
+provenance of the run (command, commit, CPU model, ISA flags and the kernel path that ran).
 Usage: native_weights.py --model smollm2 --rounds 3 --out FILE.json
 (``native_weights.py --measure SOURCE --model M`` is the child each process runs.)
 """
@@ -45,11 +44,6 @@ def run_side(source: str, model: str) -> list[dict[str, object]]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", source, "--model", model]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-
-
-def kernel_path(isa: list[str]) -> str:
-    """The block kernels' path that the build selects for this CPU (csrc/gguf_blocks.h)."""
-    return "avx512" if "avx512f" in isa else ("avx2" if "avx2" in isa else "portable")
 
 
 def summarise(rows: list[dict[str, object]]) -> list[dict[str, object]]:
@@ -92,7 +86,6 @@ def main() -> None:
     record["command"] = " ".join(["python", "bench/scripts/native_weights.py", *sys.argv[1:]])
     result = {
         "provenance": record,
-        "kernel_path": kernel_path(record["machine"]["isa"]),
         "setup": "full depth, 32-token prompts, 64 new tokens, 2 torch threads, greedy",
         "summary": summarise(rows),
         "rows": rows,
