@@ -43,14 +43,15 @@ def add_bench_parser(sub: Any) -> None:
         "--peer-formats",
         default="F32,Q8_0,own",
         help="peer: llama.cpp's weights formats (F32 vs float32; Q8_0 vs int8 and the default "
-        "mode; own: the GGUF a named model is converted from, Q4_1 for smollm2 and Q4_K_M for "
-        "gemma3-270m, for reference); --repeats sets the rounds",
+        "mode; own: the model's own GGUF, Q4_1 for smollm2, Q4_K_M for gemma3-270m or the .gguf "
+        "given as --model, vs --weights native on that file); --repeats sets the rounds",
     )
     p.add_argument(
         "--quantization",
         default=None,
         choices=QUANTIZATIONS,
-        help="the engine's weights in the hf and exits sections (peer runs float32 and int8)",
+        help="the engine's weights in the hf and exits sections (peer runs float32, int8 and "
+        "native)",
     )
     p.add_argument("--policies", default="per_sequence,batch_all")
     p.add_argument("--kv-fills", default="fill", help="fill, recompute or both")

@@ -3,7 +3,9 @@
 Contract: ``gguf_dir(folder)`` is the cache folder of a model folder's GGUFs under
 ``$EESERVE_HOME/gguf``, keyed by the weights file (rebuilt when it changes).
 ``own_gguf(folder)`` is the GGUF a named model is converted from (``models.loader``): the
-default model's Q4_1, ``gemma3-270m``'s Q4_K_M (the copies ``models.loader`` keeps), or None.
+default model's Q4_1, ``gemma3-270m``'s Q4_K_M (the copies ``models.loader`` keeps), or None;
+``model_file(spec, folder)`` the same for a model given by name, folder or ``.gguf`` file (that
+file itself), its format named by the file (``file_format``: its ``general.file_type``).
 ``f32_gguf(folder, quantize)`` is the folder as an F32 GGUF: written from the folder for the
 Llama family (``bench.gguf_export``; for the default model, the exact dequantisation of its
 Q4_1), de-quantized from the model's own GGUF by llama.cpp's ``llama-quantize`` (the native one
@@ -29,6 +31,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import gguf
 
 from eeserve.bench.gguf_export import write_gguf_f32
 from eeserve.bench.measure import Run
@@ -89,6 +93,28 @@ def own_gguf(folder: Path) -> tuple[str, Path] | None:
         if folder.resolve() == models / name:
             return fmt, model_gguf(name)
     return None
+
+
+def model_file(spec: str, folder: Path) -> tuple[str, Path] | None:
+    """(format, path) of the GGUF that model ``spec`` (resolved to ``folder``) is converted
+    from: a named model's own file, or the ``.gguf`` file given; None for a model folder."""
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return file_format(path), path.resolve()
+    return own_gguf(folder)
+
+
+def file_format(path: Path) -> str:
+    """llama.cpp's name of a GGUF's format (``general.file_type``: MOSTLY_Q4_1 -> Q4_1)."""
+    field = gguf.GGUFReader(str(path)).fields.get("general.file_type")
+    if field is None:
+        return "GGUF"  # the writer did not say: the file type is not one name
+    value = int(field.parts[-1][0])
+    try:
+        name = gguf.LlamaFileType(value).name
+    except ValueError:  # newer than the gguf package: named by its number
+        return f"file type {value}"
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
 
 def _model_type(folder: Path) -> str | None:

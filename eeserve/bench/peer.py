@@ -3,18 +3,21 @@
 Contract: llama.cpp's native ``llama-batched-bench`` (``bench.llamacpp_build``: built once from
 the source vendored in the llama-cpp-python sdist, cached under ``$EESERVE_HOME/llamacpp``) runs
 on GGUFs of the same weights (``bench.llamacpp``: F32 of the model folder's weights, Q8_0 made
-from it by ``llama-quantize``, and a named model's own GGUF for reference: the default model's
-Q4_1, ``gemma3-270m``'s Q4_K_M). Each round, for each batch size, runs back to back, with the
-same thread count, prompt length and decode steps (``bench.llamacpp_native`` says how the two
-are timed alike): llama.cpp F32, eeserve float32, llama.cpp Q8_0, eeserve int8, eeserve's
-default mode (speculative, lossless against float32), llama.cpp on the model's own GGUF; every
-timed run follows an untimed pause so that one runner's spinning threads are not charged to the
-next. Before each round a streaming-read probe measures the memory bandwidth
-(``bench.roofline``). ``bench.peer_summary`` turns the rounds into the median and spread of the
-per-round ratios and, at batch 1, each runner's fraction of its roofline. Beside them: greedy
-token agreement and ROUGE-L of int8 and of the default mode against float32, and held-out
-perplexity of float32 and int8. Without cmake or a compiler the section is skipped and says what
-is missing.
+from it by ``llama-quantize``, and the model's own file: the default model's Q4_1,
+``gemma3-270m``'s Q4_K_M, or the ``.gguf`` given as the model). ``bench.peer_runners`` says which
+of this engine's modes is held to which file: float32 to F32; int8 and the default mode
+(speculative, lossless against float32) to Q8_0; native weights at full depth
+(``weights="native"``) to the model's own file, the very blocks llama.cpp reads. Each round, for
+each batch size, runs every file's llama.cpp and then the engines held to it, back to back, with
+the same thread count, prompt length and decode steps (``bench.llamacpp_native`` says how the two
+are timed alike); every timed run follows an untimed pause so that one runner's spinning threads
+are not charged to the next. Before each round a streaming-read probe measures the memory
+bandwidth (``bench.roofline``). ``bench.peer_summary`` turns the rounds into the median and
+spread of the per-round ratios and, at batch 1, each runner's fraction of its roofline (native
+weights: the bytes of the file's blocks a token reads). Beside them: greedy token agreement and
+ROUGE-L of each mode against float32, and held-out perplexity of float32 and int8. The results
+record the machine (``tuning.provenance``: CPU model, ISA flags, the kernel path that ran).
+Without cmake or a compiler the section is skipped and says what is missing.
 """
 
 from __future__ import annotations
@@ -33,32 +36,26 @@ from eeserve.bench import llamacpp
 from eeserve.bench.llamacpp_build import BuildToolMissing, NativeTools, native_tools
 from eeserve.bench.llamacpp_native import run_batched_bench
 from eeserve.bench.measure import Run, quality_vs, run_engine
-from eeserve.bench.peer_summary import Pair, Round, print_summary, roofline_rows, summarise
+from eeserve.bench.peer_runners import (
+    ENGINE_RUNNERS,
+    EngineRunner,
+    PeerFile,
+    PeerFormat,
+    bytes_per_token,
+    pairs,
+    round_order,
+    runners_for,
+)
+from eeserve.bench.peer_summary import Round, print_summary, roofline_rows, summarise
 from eeserve.bench.perplexity import heldout_perplexity
-from eeserve.bench.roofline import engine_bytes_per_token, gguf_bytes_per_token, read_bandwidth
+from eeserve.bench.roofline import gguf_bytes_per_token, read_bandwidth
 from eeserve.config import EngineConfig
 from eeserve.engine.llm_engine import LLMEngine
-from eeserve.kernels.screened_head import ScreenedHead
 from eeserve.models.loader import resolve_model
 from eeserve.tuning.prompts import fixed_length_ids, prompt_texts
 from eeserve.tuning.provenance import provenance
 
-# ``own``: the GGUF a named model is converted from (its label is its format: Q4_1, Q4_K_M).
-FORMATS = ("F32", "Q8_0", "own")
-# This engine's runners: label -> (EngineConfig overrides, llama.cpp format it needs).
-ENGINES: dict[str, tuple[dict[str, Any], str]] = {
-    "eeserve float32": ({"quantization": None, "exit_policy": "none"}, "F32"),
-    "eeserve int8": ({"quantization": "int8", "exit_policy": "none"}, "Q8_0"),
-    "eeserve default": ({}, "Q8_0"),  # the model's default mode: speculative, int8 drafts
-}
-# One round at one batch size, in this order: each engine right after the peer it is held to;
-# then llama.cpp on the model's own GGUF, if any.
-ORDER = ("llama.cpp F32", "eeserve float32", "llama.cpp Q8_0", "eeserve int8", "eeserve default")
-PAIRS: list[Pair] = [
-    ("eeserve float32", "llama.cpp F32"),
-    ("eeserve int8", "llama.cpp Q8_0"),
-    ("eeserve default", "llama.cpp Q8_0"),
-]
+REFERENCE = "eeserve float32"  # what every other mode's text is compared with
 # Untimed pause before each run: the previous runner's OpenMP threads (PyTorch's or llama.cpp's)
 # spin for a moment after their last work; on 2 cores that spin would be charged to the next one.
 _SETTLE_S = 0.5
@@ -66,50 +63,40 @@ _SETTLE_S = 0.5
 Runner = Callable[[int], float]  # batch size -> decode tok/s of one timed run
 
 
-def _ggufs(folder: Path, tools: NativeTools, formats: list[str]) -> dict[str, Path]:
-    """Format name -> GGUF; the model's own file under its format's name (none for a folder
-    that is not a named model)."""
-    out = {}
-    if "F32" in formats:
-        out["F32"] = llamacpp.f32_gguf(folder, tools.quantize)
-    if "Q8_0" in formats:
-        out["Q8_0"] = llamacpp.q8_0_gguf(folder, tools.quantize)
-    own = llamacpp.own_gguf(folder) if "own" in formats else None
+def _formats(text: str) -> list[PeerFormat]:
+    names = [f for f in text.split(",") if f]
+    choices = tuple(f.value for f in PeerFormat)
+    if unknown := sorted(set(names) - set(choices)):
+        raise ValueError(f"--peer-formats: unknown {unknown}; choose from {choices}")
+    return [PeerFormat(f) for f in names]
+
+
+def _files(
+    spec: str, folder: Path, tools: NativeTools, formats: list[PeerFormat]
+) -> list[PeerFile]:
+    """llama.cpp's files, the model's own last (none for a folder that is not a named model)."""
+    out = []
+    if PeerFormat.F32 in formats:
+        f32 = llamacpp.f32_gguf(folder, tools.quantize)
+        out.append(PeerFile(source=PeerFormat.F32, name="F32", path=f32))
+    if PeerFormat.Q8_0 in formats:
+        q8 = llamacpp.q8_0_gguf(folder, tools.quantize)
+        out.append(PeerFile(source=PeerFormat.Q8_0, name="Q8_0", path=q8))
+    own = llamacpp.model_file(spec, folder) if PeerFormat.OWN in formats else None
     if own is not None:
-        out[own[0]] = own[1]
+        # A .gguf model in F32 or Q8_0 would share a label with the file made from its folder.
+        name = own[0] if own[0] not in {f.name for f in out} else f"{own[0]}, own file"
+        out.append(PeerFile(source=PeerFormat.OWN, name=name, path=own[1]))
     return out
 
 
-def _order_and_pairs(ggufs: dict[str, Path]) -> tuple[list[str], list[Pair]]:
-    """The round's order and the pairs compared, with the model's own GGUF last: for reference,
-    as it reads fewer bytes a token than int8 does."""
-    own = [f"llama.cpp {fmt}" for fmt in ggufs if fmt not in ("F32", "Q8_0")]
-    return [*ORDER, *own], [*PAIRS, *(("eeserve int8", label) for label in own)]
-
-
-def screens_head(engine: LLMEngine) -> bool:
-    """Does the engine read its LM head through an int8 screen (``kernels.screened_head``)?"""
-    return isinstance(engine.runner.lm_head, ScreenedHead)
-
-
-def _engine_bytes(folder: Path, engines: dict[str, LLMEngine]) -> dict[str, int]:
-    """Bytes a batch-1 step of each engine reads (greedy float32 steps read the LM head through
-    its int8 screen where there is one)."""
-    out = {}
-    for scheme in ("float32", "int8"):
-        engine = engines.get(f"eeserve {scheme}")
-        if engine is not None:
-            out[f"eeserve {scheme}"] = engine_bytes_per_token(folder, scheme, screens_head(engine))
-    return out
-
-
-def _engines(args: argparse.Namespace, formats: set[str], max_batch: int) -> dict[str, LLMEngine]:
-    out = {}
-    for label, (overrides, needs) in ENGINES.items():
-        if needs in formats:
-            cfg = dict(dtype="float32", enable_prefix_caching=False, max_num_seqs=max_batch)
-            out[label] = LLMEngine(EngineConfig(model=args.model, **{**cfg, **overrides}))
-    return out
+def _engines(args: argparse.Namespace, runners: list[EngineRunner]) -> dict[str, LLMEngine]:
+    max_batch = max(int(b) for b in args.batch_sizes.split(","))
+    cfg = dict(dtype="float32", enable_prefix_caching=False, max_num_seqs=max_batch)
+    return {
+        r.label: LLMEngine(EngineConfig(model=args.model, **{**cfg, **r.overrides}))
+        for r in runners
+    }
 
 
 def _peer_runner(tools: NativeTools, gguf: Path, threads: int, args: argparse.Namespace) -> Runner:
@@ -163,17 +150,54 @@ def _rounds(
     return rounds, bandwidths
 
 
-def _quality(last: dict[tuple[str, int], Run], batches: list[int], tok: Any) -> dict[str, Any]:
+def _quality(
+    last: dict[tuple[str, int], Run], batches: list[int], labels: list[str], tok: Any
+) -> dict[str, Any]:
+    """Greedy token agreement and ROUGE-L of each mode's latest text against float32's."""
     out: dict[str, Any] = {}
     for b in batches:
-        ref = last.get(("eeserve float32", b))
-        for label in ("eeserve int8", "eeserve default"):
-            if ref is not None and (label, b) in last:
+        ref = last.get((REFERENCE, b))
+        for label in labels:
+            if ref is not None and label != REFERENCE and (label, b) in last:
                 agree, rouge = quality_vs(ref, last[(label, b)], tok)
-                key = f"{label.split()[1]}_vs_float32"
+                key = f"{label.removeprefix('eeserve ')}_vs_float32"
                 out.setdefault(str(b), {})[key] = {"token_agreement": agree, "rouge_l": rouge}
                 print(f"batch {b:3d} {label} vs float32: agreement {agree:.3f} ROUGE-L {rouge:.3f}")
     return out
+
+
+def _timed(
+    args: argparse.Namespace,
+    tools: NativeTools,
+    files: list[PeerFile],
+    engines: dict[str, LLMEngine],
+    prompts: list[list[int]],
+    batches: list[int],
+) -> tuple[dict[str, Runner], dict[tuple[str, int], Run]]:
+    """Every runner by label, the engines warmed up; and where the engines' latest runs go."""
+    threads = args.threads or torch.get_num_threads()
+    last: dict[tuple[str, int], Run] = {}
+    runners = {f.label: _peer_runner(tools, f.path, threads, args) for f in files}
+    for label, engine in engines.items():
+        for b in batches:  # warm-up: kernels built, caches touched, every batch shape seen
+            run_engine(engine, prompts[:b], 4)
+        runners[label] = _engine_runner(engine, label, prompts, args.max_tokens, last)
+    return runners, last
+
+
+def _what_ran(files: list[PeerFile], runners: list[EngineRunner]) -> dict[str, Any]:
+    """The files and the engine modes, as the results record them."""
+    return {
+        "ggufs": {f.name: str(f.path) for f in files},
+        "engine_runners": {
+            r.label: {
+                "config": {k: None if v is None else str(v) for k, v in r.overrides.items()},
+                "held_to": next(f.label for f in files if f.source is r.held_to),
+                "reads": r.reads.value,
+            }
+            for r in runners
+        },
+    }
 
 
 def bench_peer(args: argparse.Namespace) -> dict[str, Any]:
@@ -183,39 +207,31 @@ def bench_peer(args: argparse.Namespace) -> dict[str, Any]:
         print(f"peer section skipped: {e}")
         return {"skipped": str(e)}
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    formats = [f for f in args.peer_formats.split(",") if f]
-    if unknown := set(formats) - set(FORMATS):
-        raise ValueError(f"--peer-formats: unknown {sorted(unknown)}; choose from {FORMATS}")
     threads = args.threads or torch.get_num_threads()
     folder = resolve_model(args.model)
-    ggufs = _ggufs(folder, tools, formats)
-    order, pairs = _order_and_pairs(ggufs)
+    files = _files(args.model, folder, tools, _formats(args.peer_formats))
+    runners = runners_for(files, ENGINE_RUNNERS)
     tok = AutoTokenizer.from_pretrained(folder)
-    prompts = fixed_length_ids(
-        tok, prompt_texts(max(batches), seed=args.seed, split="bench"), args.prompt_len
-    )
-    last: dict[tuple[str, int], Run] = {}
-    runners: dict[str, Runner] = {
-        f"llama.cpp {fmt}": _peer_runner(tools, path, threads, args) for fmt, path in ggufs.items()
-    }
-    engines = _engines(args, set(ggufs), max(batches))
-    for label, engine in engines.items():
-        for b in batches:  # warm-up: kernels built, caches touched, every batch shape seen once
-            run_engine(engine, prompts[:b], 4)
-        runners[label] = _engine_runner(engine, label, prompts, args.max_tokens, last)
-    rounds, bandwidths = _rounds(runners, batches, order, threads, args.repeats)
-    nbytes = {f"llama.cpp {fmt}": gguf_bytes_per_token(path) for fmt, path in ggufs.items()}
-    nbytes |= _engine_bytes(folder, engines)
-    rows = summarise(rounds, pairs)
+    texts = prompt_texts(max(batches), seed=args.seed, split="bench")
+    prompts = fixed_length_ids(tok, texts, args.prompt_len)
+    engines = _engines(args, runners)
+    timed, last = _timed(args, tools, files, engines, prompts, batches)
+    order = round_order(files, tuple(runners))
+    rounds, bandwidths = _rounds(timed, batches, order, threads, args.repeats)
+    nbytes = {f.label: gguf_bytes_per_token(f.path) for f in files}
+    for r in runners:
+        if (n := bytes_per_token(r, engines[r.label], folder, files)) is not None:
+            nbytes[r.label] = n
+    rows = summarise(rounds, pairs(files, tuple(runners)))
     roofline = roofline_rows(rounds, bandwidths, nbytes)
     print_summary(rows, roofline, len(rounds))
-    quality = _quality(last, batches, tok)
+    quality = _quality(last, batches, list(engines), tok)
     ppl = {name: heldout_perplexity(folder, name == "int8") for name in ("float32", "int8")}
     print(f"held-out perplexity: float32 {ppl['float32']:.3f}  int8 {ppl['int8']:.3f}", flush=True)
     return {
         "provenance": provenance(),
         "llama_cpp_python_sdist": tools.version,
-        "ggufs": {fmt: str(path) for fmt, path in ggufs.items()},
+        **_what_ran(files, runners),
         "threads": threads,
         "prompt_len": args.prompt_len,
         "decode_steps": args.max_tokens - 1,
