@@ -136,7 +136,7 @@ def test_native_weights_run_beside_llamacpp_on_the_same_file(
     bench = tmp / "bench"
     bench.write_text(FAKE_BATCHED_BENCH)
     bench.chmod(0o755)
-    real = llamacpp_build.native_tools()
+    real = peer.native_tools()  # the fixture's: the real tools, not built again
     monkeypatch.setattr(peer, "native_tools", lambda: replace(real, batched_bench=bench))
     monkeypatch.setattr(peer, "read_bandwidth", lambda threads: 1e9)
     res = peer.bench_peer(_args(q4_1, "F32,own", repeats=2))
