@@ -29,6 +29,7 @@ from eeserve.bench.llamacpp_native import (
 from eeserve.bench.peer_summary import round_ratios, spread, summarise
 from eeserve.bench.roofline import engine_bytes_per_token, gguf_bytes_per_token
 from eeserve.kernels.native import load as load_native
+from tests.peer_tools import FAKE_BATCHED_BENCH
 from tests.tiny_model import TINY_KV_BYTES
 
 
@@ -185,18 +186,6 @@ def test_without_cmake_the_build_says_what_is_missing_and_the_section_is_skipped
     skipped = peer.bench_peer(argparse.Namespace())
     assert "cmake" in skipped["skipped"] and "C++ compiler" in skipped["skipped"]
     assert "peer section skipped" in capsys.readouterr().out
-
-
-# A stand-in llama-batched-bench: one row per run, 50 tok/s (tests/test_peer_native.py too).
-FAKE_BATCHED_BENCH = """#!/bin/sh
-prev=""
-for a in "$@"; do
-  case "$prev" in -npp) pp=$a;; -ntg) tg=$a;; -npl) pl=$a;; esac
-  prev=$a
-done
-printf '{"pp": %s, "tg": %s, "pl": %s, ' "$pp" "$tg" "$pl"
-echo '"t_pp": 0.1, "t_tg": 1.0, "speed_tg": 50.0}'
-"""
 
 
 def test_the_peer_section_interleaves_rounds_and_prints_ratios_and_the_roofline(

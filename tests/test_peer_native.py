@@ -32,7 +32,7 @@ from eeserve.bench.peer_runners import (
 from eeserve.bench.roofline import gguf_bytes_per_token
 from eeserve.config import Weights
 from eeserve.kernels.native import load as load_native
-from tests.test_peer import FAKE_BATCHED_BENCH
+from tests.peer_tools import FAKE_BATCHED_BENCH
 
 FILES = [
     PeerFile(source=PeerFormat.F32, name="F32", path=Path("f32.gguf")),
