@@ -5,6 +5,9 @@
 - The linear op equals F.linear on the de-quantized weights within float tolerance, through
   both of its loops (few rows decoded in registers, more rows from a decoded tile), at 1, 2 and 3
   threads, into a column slice of a wider output.
+- A projection of parts stacked along the output (mixed formats) is one flat buffer and a parts
+  table; a table that does not fit its bytes, or names a format the kernels do not decode, is
+  refused.
 - A type the kernels do not decode is refused with its name; the Llama q/k row order equals
   transformers' own un-permutation.
 """
@@ -134,6 +137,18 @@ def test_modules_stack_parts_of_mixed_formats(ops: NativeOps) -> None:
     assert torch.equal(lin.weight[ids], w[ids])
     emb = GGUFEmbedding(parts[1], ops)
     assert torch.equal(emb(torch.tensor([[3, 1]])), w[40:][torch.tensor([[3, 1]])])
+
+
+def test_a_parts_table_that_does_not_fit_its_blocks_is_refused(ops: NativeOps) -> None:
+    blocks = torch.from_numpy(random_blocks(GGMLType.Q8_0, 8, 64, 0)).reshape(-1)
+    x, out = torch.randn(2, 64), torch.empty(2, 8)
+    ops.gguf_stacked_linear(x, blocks, torch.tensor([[int(GGMLType.Q8_0), 8]]), out)
+    with pytest.raises(RuntimeError, match="the parts' rows are 612 bytes, blocks has 544"):
+        ops.gguf_stacked_linear(x, blocks, torch.tensor([[int(GGMLType.Q8_0), 9]]), out)
+    with pytest.raises(RuntimeError, match="ggml type 11 is not supported"):
+        ops.gguf_stacked_linear(x, blocks, torch.tensor([[11, 8]]), out)
+    with pytest.raises(RuntimeError, match=r"parts int64 \[P, 2\]"):
+        ops.gguf_stacked_linear(x, blocks, torch.tensor([int(GGMLType.Q8_0), 8]), out)
 
 
 def test_an_unsupported_type_is_refused_by_name(ops: NativeOps, tmp_path: Path) -> None:

@@ -1,12 +1,14 @@
 """Decode speed of native GGUF weights against float32, alternated process by process.
 
 Each round runs one process per weight source (``--weights float32``, then ``native``), each
-timing greedy decode of the model at full depth (``exit_policy=none``) at batch 1, 8 and 32
-(32-token bench prompts, 64 new tokens, 2 torch threads). Writes every row, the per-round
+timing greedy decode of the model at full depth (``--mode full``: ``exit_policy=none``) or in
+the engine's default mode (``--mode default``: the model's shipped exit config as it comes;
+float32 drafts with its int8 copy, native from the exits) at batch 1, 8 and 32 (32-token bench
+prompts, 64 new tokens, 2 torch threads). Writes every row, the per-round
 native/float32 ratios and their medians, whether the two sources' tokens are identical, and the
 provenance of the run (command, commit, CPU model, ISA flags and the kernel path that ran).
-Usage: native_weights.py --model smollm2 --rounds 3 --out FILE.json
-(``native_weights.py --measure SOURCE --model M`` is the child each process runs.)
+Usage: native_weights.py --model smollm2 [--mode default] --rounds 3 --out FILE.json
+(``native_weights.py --measure SOURCE --model M --mode MODE`` is the child each process runs.)
 """
 
 import argparse
@@ -19,9 +21,10 @@ from pathlib import Path
 
 BATCHES = (1, 8, 32)
 SOURCES = ("float32", "native")
+MODES = ("full", "default")
 
 
-def measure(source: str, model: str) -> None:
+def measure(source: str, model: str, mode: str) -> None:
     import torch
 
     from eeserve.bench.measure import run_engine
@@ -30,7 +33,8 @@ def measure(source: str, model: str) -> None:
     from eeserve.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(2)
-    engine = LLMEngine(EngineConfig(model=model, weights=source, exit_policy="none"))
+    policy = {"exit_policy": "none"} if mode == "full" else {}
+    engine = LLMEngine(EngineConfig(model=model, weights=source, **policy))
     prompts = [p[:32] for p in build_prompts(engine.tokenizer, 32, seed=0, chat=False)]
     run_engine(engine, prompts[:2], 8)  # warm-up
     for b in BATCHES:
@@ -40,8 +44,9 @@ def measure(source: str, model: str) -> None:
         print(json.dumps({**row, "tokens_md5": tokens}), flush=True)
 
 
-def run_side(source: str, model: str) -> list[dict[str, object]]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", source, "--model", model]
+def run_side(source: str, model: str, mode: str) -> list[dict[str, object]]:
+    script = str(Path(__file__).resolve())
+    cmd = [sys.executable, script, "--measure", source, "--model", model, "--mode", mode]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
@@ -72,21 +77,23 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path)
+    p.add_argument("--mode", choices=MODES, default="full")
     p.add_argument("--measure", choices=SOURCES)
     args = p.parse_args()
     if args.measure:
-        return measure(args.measure, args.model)
+        return measure(args.measure, args.model, args.mode)
     from eeserve.tuning.provenance import provenance
 
     rows = []
     for r in range(args.rounds):
         for source in SOURCES:
-            rows += [{"round": r, **x} for x in run_side(source, args.model)]
+            rows += [{"round": r, **x} for x in run_side(source, args.model, args.mode)]
     record = provenance()
     record["command"] = " ".join(["python", "bench/scripts/native_weights.py", *sys.argv[1:]])
     result = {
         "provenance": record,
-        "setup": "full depth, 32-token prompts, 64 new tokens, 2 torch threads, greedy",
+        "setup": f"{'full depth' if args.mode == 'full' else 'default mode'}, 32-token prompts, "
+        "64 new tokens, 2 torch threads, greedy",
         "summary": summarise(rows),
         "rows": rows,
     }
