@@ -184,8 +184,8 @@ def test_engine_thread_runs_nicer_than_the_event_loop(tiny_model_dir: Path) -> N
         params = SamplingParams(max_tokens=2, temperature=0)
         gen = await loop.add([ChoiceSpec(None, [1, 2], params)], None)  # the worker has run
         _ = [out async for _, out in gen.stream()]
-        assert loop._thread is not None and loop._thread.native_id is not None
-        nice = os.getpriority(os.PRIO_PROCESS, loop._thread.native_id)
+        assert loop.engine_thread_id is not None
+        nice = os.getpriority(os.PRIO_PROCESS, loop.engine_thread_id)
         loop.stop()
         return nice
 

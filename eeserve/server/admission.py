@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from eeserve.engine.llm_engine import LLMEngine
+from eeserve.server.engine_core import EngineHost
 from eeserve.server.throughput import Capacity, Queue, Rates, start_delay
 
 MAX_RETRY_AFTER_S = 60
@@ -77,6 +78,9 @@ class ServingLimits:
     # load the event loop, and with replicas Ray's plumbing, still get a core for quick answers.
     engine_nice: int = 0
     max_queue_seconds: float = DEFAULT_MAX_QUEUE_SECONDS  # inf: no bound in seconds
+    # Where the engine steps: a process of its own keeps its Python off the HTTP side's GIL
+    # (``eeserve serve``'s default); a thread of the serving process is the library default.
+    engine_host: EngineHost = EngineHost.THREAD
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_queued_tokens"):

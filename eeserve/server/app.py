@@ -120,7 +120,9 @@ def _serving_context(
     """The engine loop, metrics, model facts and request preparation the routes share."""
     num_layers = engine.model_config.num_layers
     metrics = ServerMetrics(num_layers)
-    engine_loop = EngineLoop(engine, metrics, resolve_limits(limits, engine), limits.engine_nice)
+    engine_loop = EngineLoop(
+        engine, metrics, resolve_limits(limits, engine), limits.engine_nice, limits.engine_host
+    )
     metrics.track_admission(engine_loop.admission, engine_loop.meter)
     tokenizer = copy.deepcopy(engine.tokenizer)
     info = ModelInfo(

@@ -1,49 +1,45 @@
-"""One background thread that owns the engine and drives ``engine.step()`` while there is work.
+"""The serving side of the engine: admission control, the consumers' generations and the
+metrics, over an engine core that runs on a thread of its own or in a process of its own.
 
 Contract:
-- ``EngineLoop(engine, metrics, limits, nice)`` (``limits``: the engine's defaults when omitted;
-  ``nice``: how much nicer than its creator the worker thread runs, ``--engine-nice``) is
-  started with ``start(loop)`` from inside the asyncio event loop that will consume its
-  outputs. From then on every engine call (``add_request``, ``abort_request``, ``tokenize``,
-  ``step``) happens on the loop's single worker thread; other threads only post commands to it
-  (a deque plus a wake-up event), so no lock is needed.
+- ``EngineLoop(engine, metrics, limits, nice, host)`` (``limits``: the engine's defaults when
+  omitted; ``nice``: how much nicer than the serving threads the engine's thread runs,
+  ``--engine-nice``; ``host``: ``EngineHost.THREAD``, the default, or ``EngineHost.PROCESS``,
+  ``--engine-host``) is started with ``start(loop)`` from inside the asyncio event loop that
+  will consume its outputs. From then on every engine call happens in the engine core
+  (``engine_core.EngineCore``: a worker thread, or a forked engine process, ``engine_host``);
+  this object lives on the event loop's thread and talks to the core in commands and reports.
 - ``reserve(estimate)`` (on the event loop, before a request is templated and tokenized) takes
   its place in admission control's queue (``admission.Admission.reserve``: ``Overloaded`` at
   once beyond the limits; ``ShuttingDown`` while draining) and returns its ``Ticket``.
 - ``await add(choices, exit_params, timeout, ticket)`` settles the ticket with the group's exact
   costs (``Overloaded`` when they pass a limit; without a ticket the group is checked as it
-  is), then adds its engine requests on the worker thread, all or none
-  (``engine_requests.admit``: the engine's ``ValueError`` and ``RequestRejected`` are raised to
-  the caller). It returns a ``Generation`` (``server.generation``) whose
-  ``stream()`` yields ``(choice_index, RequestOutput)`` in engine order until every choice has
-  finished; with a ``timeout`` (seconds) the generation is aborted when it runs out and its
-  stream raises ``DeadlineExceeded``.
+  is), then adds its engine requests in the core, all or none (``engine_requests.admit``: the
+  engine's ``ValueError`` and ``RequestRejected`` are raised to the caller). It returns a
+  ``Generation`` (``server.generation``) whose ``stream()`` yields ``(choice_index,
+  RequestOutput)`` in engine order until every choice has finished; with a ``timeout``
+  (seconds) the generation is aborted when it runs out and its stream raises
+  ``DeadlineExceeded``.
 - ``Generation.cancel()`` (client gone) aborts the unfinished engine requests, freeing their KV
   blocks, and ends the stream; ``abort()`` only aborts.
-- Outputs of one engine step are handed to the event loop with one ``call_soon_threadsafe``.
+- Outputs of one engine step reach the generations in one call on the event loop.
 - ``begin_drain(timeout)`` (graceful shutdown): new work is refused with ``ShuttingDown``;
   requests still running after ``timeout`` seconds are aborted and their streams raise
-  ``GenerationError``. ``stop()`` ends the thread the same way and joins it.
-- Metrics (tokens, TTFT, inter-token latency, exit layers, gauges) are recorded on the thread,
-  and so is each step's duration, prompt tokens computed and tokens generated
-  (``throughput.ThroughputMeter``: the rates admission control turns its queue into seconds
-  with).
+  ``GenerationError``. ``stop()`` ends the core the same way and waits for it. An engine
+  process that dies ends every request it held with a 503 and leaves the loop stopped.
+- Metrics (tokens, TTFT, inter-token latency, exit layers, gauges) are recorded on the event
+  loop from the core's reports, and so is each step's duration, prompt tokens computed and
+  tokens generated (``throughput.ThroughputMeter``: the rates admission control turns its queue
+  into seconds with).
 - The engine comes built (``server.startup.build_engine``); the loop only drives it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import logging
-import os
-import threading
 import time
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import chain
-from typing import Any
+from itertools import count
 
 from eeserve.engine.llm_engine import LLMEngine
 from eeserve.exit_params import ExitParams
@@ -58,14 +54,22 @@ from eeserve.server.admission import (
     engine_capacity,
     resolve_limits,
 )
-from eeserve.server.engine_requests import ChoiceSpec, admit
+from eeserve.server.engine_core import (
+    Abort,
+    Add,
+    Drain,
+    EngineHost,
+    Failed,
+    Gauges,
+    Reply,
+    Report,
+    Stepped,
+)
+from eeserve.server.engine_host import host_for
+from eeserve.server.engine_requests import ChoiceSpec
 from eeserve.server.generation import Batch, Generation, GenerationError, put_all
 from eeserve.server.metrics import ServerMetrics
 from eeserve.server.throughput import ThroughputMeter
-
-log = logging.getLogger(__name__)
-
-_IDLE_WAIT_S = 0.5
 
 
 class ShuttingDown(RuntimeError):
@@ -90,9 +94,8 @@ class EngineLoop:
         metrics: ServerMetrics,
         limits: AdmissionLimits | None = None,
         nice: int = 0,
+        host: EngineHost = EngineHost.THREAD,
     ) -> None:
-        self.engine = engine
-        self.nice = nice  # the engine thread's niceness above its creator's
         self.metrics = metrics
         self.meter = ThroughputMeter()
         self.admission = Admission(
@@ -101,31 +104,38 @@ class EngineLoop:
             self.meter.rates,
         )
         self.num_layers = engine.model_config.num_layers
-        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
-        self._wake = threading.Event()
+        self._host = host_for(host, engine, nice)
+        self._host.on_end = self._on_end
+        bm = engine.block_manager
+        self._update_gauges(
+            Gauges(running=0, waiting=0, kv_blocks_free=bm.num_free_blocks, kv_blocks=bm.num_blocks)
+        )
         self._tracked: dict[str, _Tracked] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._calls: dict[int, asyncio.Future[list[list[int]]]] = {}
+        self._ids = count()
         self._deadline: float | None = None
-        self._closing = threading.Lock()
-        self._closed = False
+        self._stopping = False
 
     # -- lifecycle (event-loop side) ------------------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._thread = threading.Thread(target=self._run, name="eeserve-engine", daemon=True)
-        self._thread.start()
+        self._host.start(loop, self._on_report)
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._host.alive
 
     @property
     def stopped(self) -> bool:
         """Started once and no longer running (a crash, or ``stop``)."""
-        return self._thread is not None and not self._thread.is_alive()
+        return self._host.started and not self._host.alive
+
+    @property
+    def engine_thread_id(self) -> int | None:
+        """The native id of the thread that steps the engine, where it is one of this process's
+        (``EngineHost.THREAD``, once started); None otherwise."""
+        thread = getattr(self._host, "thread", None)
+        return None if thread is None else thread.native_id
 
     @property
     def draining(self) -> bool:
@@ -135,13 +145,11 @@ class EngineLoop:
         """Refuse new work; abort what is still running ``timeout`` seconds from now."""
         if self._deadline is None:
             self._deadline = time.monotonic() + max(0.0, timeout)
-            self._wake.set()
+            self._host.post(Drain(deadline=self._deadline))
 
     def stop(self, join_timeout: float = 10.0) -> None:
         self._stopping = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(join_timeout)
+        self._host.stop(join_timeout)
 
     # -- requests (event-loop side) -------------------------------------------------------------
 
@@ -168,137 +176,88 @@ class EngineLoop:
         gen.hold(self.admission, costs)
         if timeout is not None:
             gen.set_deadline(timeout)
-        future = self._post(lambda: self._add(gen, choices, exit_params))
-        try:
-            await asyncio.wrap_future(future)
-        except BaseException:
-            gen.abort()  # queued after the add, so it runs after it; gives back the admission
-            raise
-        return gen
-
-    def abort(self, request_ids: list[str]) -> None:
-        self._post(lambda: self._abort(request_ids, "aborted"))
-
-    def _post(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._closing:
-            if self._closed:
-                future.set_exception(ShuttingDown("the engine thread has stopped"))
-                return future
-            self._commands.append((fn, future))
-        self._wake.set()
-        return future
-
-    # -- the worker thread ----------------------------------------------------------------------
-
-    def _run(self) -> None:
-        message = "the server shut down before the request finished"
-        if self.nice:  # Linux: a thread's own niceness (PRIO_PROCESS with its thread id)
-            own = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, own, os.getpriority(os.PRIO_PROCESS, own) + self.nice)
-        try:
-            while not self._stopping:
-                self._wake.clear()
-                self._run_commands()
-                if self._stopping:
-                    break
-                if self._deadline is not None and time.monotonic() >= self._deadline:
-                    self._fail_all(message)
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                else:
-                    self._wake.wait(_IDLE_WAIT_S)
-        except BaseException:
-            log.exception("the engine thread crashed")
-            message = "the engine thread crashed"
-            raise
-        finally:
-            with self._closing:  # commands posted from now on fail at once
-                self._stopping = self._closed = True
-                self._run_commands()
-            self._fail_all(message)
-            self._update_gauges()
-
-    def _run_commands(self) -> None:
-        while self._commands:
-            fn, future = self._commands.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # handed to the awaiting coroutine
-                future.set_exception(e)
-        self._update_gauges()
-
-    def _step(self) -> None:
-        prefilling = self._prefilling()
-        start = time.perf_counter()
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            log.exception("engine step failed")
-            self._fail_all(f"engine error: {type(e).__name__}: {e}", 500)
-            return
-        took = time.perf_counter() - start
-        prefilled = _prefilled(prefilling)
-        if not outputs:
-            self.meter.record(took, prefilled, 0)
-            time.sleep(0.001)  # nothing schedulable right now; do not spin
-            return
-        now = time.monotonic()
-        batch = Batch()
-        generated = 0
-        for out in outputs:
-            tracked = self._tracked.get(out.request_id)
-            if tracked is None:
-                continue
-            generated += self._record(tracked, out, now)
-            if out.finished:
-                del self._tracked[out.request_id]
-            batch.items.append((tracked.generation, (tracked.index, out)))
-        self.meter.record(took, prefilled, generated)
-        self._deliver(batch)
-        self._update_gauges()
-
-    def _prefilling(self) -> list[tuple[Any, int]]:
-        """The sequences with prompt tokens still to compute, and how many they have computed
-        (``_prefilled`` after the step)."""
-        sched = self.engine.scheduler
-        return [
-            (s, s.num_computed_tokens)
-            for s in chain(sched.running, sched.waiting)
-            if s.num_computed_tokens < s.num_prompt_tokens
-        ]
-
-    def _deliver(self, batch: Batch) -> None:
-        if batch.items and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(put_all, batch)
-
-    def _add(self, gen: Generation, choices: list[ChoiceSpec], ep: ExitParams | None) -> None:
-        gen.prompt_token_ids = admit(self.engine, gen.request_ids, choices, ep)
+        # Tracked before the core hears of them: their outputs may come right after its reply.
         now = time.monotonic()
         for i, rid in enumerate(gen.request_ids):
             self._tracked[rid] = _Tracked(gen, i, arrival=now, last=now)
-            self.metrics.prompt_tokens.inc(len(gen.prompt_token_ids[i]))
+        call = Add(
+            id=next(self._ids),
+            request_ids=gen.request_ids,
+            choices=choices,
+            exit_params=exit_params,
+        )
+        future: asyncio.Future[list[list[int]]] = asyncio.get_running_loop().create_future()
+        self._calls[call.id] = future
+        if not self._host.post(call):
+            del self._calls[call.id]
+            future.set_exception(ShuttingDown("the engine thread has stopped"))
+        try:
+            gen.prompt_token_ids = await future
+        except BaseException:
+            gen.abort()  # posted after the add, so it runs after it; gives back the admission
+            raise
+        for ids in gen.prompt_token_ids:
+            self.metrics.prompt_tokens.inc(len(ids))
+        return gen
 
-    def _abort(self, request_ids: list[str], why: str) -> None:
-        for rid in request_ids:
-            if self._tracked.pop(rid, None) is not None:
-                self.engine.abort_request(rid)
-                log.debug("request %s %s", rid, why)
+    def abort(self, request_ids: list[str]) -> None:
+        mine = [rid for rid in request_ids if self._tracked.pop(rid, None) is not None]
+        if mine:
+            self._host.post(Abort(request_ids=mine))
 
-    def _fail_all(self, message: str, status: int = 503) -> None:
-        if not self._tracked:
-            return
+    # -- reports (event-loop side) --------------------------------------------------------------
+
+    def _on_report(self, report: Report) -> None:
+        if isinstance(report, Stepped):
+            self._stepped(report)
+        elif isinstance(report, Reply):
+            future = self._calls.pop(report.id, None)
+            if future is not None and not future.done():
+                if report.error is not None:
+                    future.set_exception(report.error)
+                else:
+                    future.set_result(report.prompt_token_ids)
+        elif isinstance(report, Failed):
+            self._fail(report.request_ids, report.message, report.status)
+        self._update_gauges(report.gauges)
+
+    def _stepped(self, report: Stepped) -> None:
         batch = Batch()
+        generated = 0
+        for out in report.outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            gen = tracked.generation
+            out.prompt_token_ids = gen.prompt_token_ids[tracked.index]
+            generated += self._record(tracked, out, report.at)
+            if out.finished:
+                del self._tracked[out.request_id]
+            batch.items.append((gen, (tracked.index, out)))
+        self.meter.record(report.seconds, report.prefilled, generated)
+        put_all(batch)
+
+    def _fail(self, request_ids: list[str], message: str, status: int) -> None:
         gens: dict[int, Generation] = {}
-        for rid, tracked in list(self._tracked.items()):
-            self.engine.abort_request(rid)
-            gens[id(tracked.generation)] = tracked.generation
-        self._tracked.clear()
-        for gen in gens.values():
-            batch.items.append((gen, GenerationError(message, status)))
-        self._deliver(batch)
+        for rid in request_ids:
+            tracked = self._tracked.pop(rid, None)
+            if tracked is not None:
+                gens[id(tracked.generation)] = tracked.generation
+        put_all(Batch([(gen, GenerationError(message, status)) for gen in gens.values()]))
+
+    def _on_end(self) -> None:
+        """The engine process is gone: what it held ends with a 503, pending adds with a
+        shutdown."""
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(ShuttingDown("the engine process has stopped"))
+        self._calls.clear()
+        message = (
+            "the server shut down before the request finished"
+            if self.draining
+            else "the engine process stopped"
+        )
+        self._fail(list(self._tracked), message, 503)
 
     def _record(self, tracked: _Tracked, out: RequestOutput, now: float) -> int:
         """Record a request's new tokens in the metrics; their number."""
@@ -330,19 +289,9 @@ class EngineLoop:
         self.metrics.spec_accepted.inc((st.num_accepted or 0) - tracked.seen_accepted)
         tracked.seen_drafted, tracked.seen_accepted = st.num_drafted, st.num_accepted or 0
 
-    def _update_gauges(self) -> None:
-        sched = self.engine.scheduler
-        bm = self.engine.block_manager
+    def _update_gauges(self, g: Gauges) -> None:
         m = self.metrics
-        m.running.set(len(sched.running))
-        m.waiting.set(len(sched.waiting))
-        m.kv_blocks_free.set(bm.num_free_blocks)
-        m.kv_blocks_used.set(bm.num_blocks - bm.num_free_blocks)
-
-
-def _prefilled(before: list[tuple[Any, int]]) -> int:
-    """Prompt tokens computed since ``EngineLoop._prefilling`` took ``before`` (a preempted
-    sequence, which starts again from 0, counts none)."""
-    return sum(
-        max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - done) for seq, done in before
-    )
+        m.running.set(g.running)
+        m.waiting.set(g.waiting)
+        m.kv_blocks_free.set(g.kv_blocks_free)
+        m.kv_blocks_used.set(g.kv_blocks - g.kv_blocks_free)

@@ -25,6 +25,10 @@ class RequestRejected(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple[type[RequestRejected], tuple[str, str]]:
+        # Pickled as it is made (it crosses from an engine process to the server).
+        return (RequestRejected, (str(self), self.param))
+
 
 @dataclass
 class ChoiceSpec:

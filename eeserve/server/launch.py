@@ -27,6 +27,7 @@ import uvicorn
 from eeserve.engine_args import add_engine_args, engine_config
 from eeserve.server.admission import DEFAULT_MAX_QUEUE_SECONDS, ServingLimits
 from eeserve.server.app import create_app
+from eeserve.server.engine_core import EngineHost
 from eeserve.server.replicas import run_replicas
 from eeserve.server.startup import build_engine, freeze_startup_heap
 
@@ -121,6 +122,15 @@ def _add_overload_args(o: argparse._ArgumentGroup) -> None:
         help="run the engine thread N nicer than the HTTP threads (0-19; default 0), so that "
         "429s, /health and streams are answered promptly while the engine keeps every core busy",
     )
+    o.add_argument(
+        "--engine-host",
+        type=EngineHost,
+        choices=list(EngineHost),
+        default=EngineHost.PROCESS,
+        metavar="{process,thread}",
+        help="where the engine steps: a process of its own (default), which keeps it off the "
+        "interpreter lock of the process that answers HTTP, or a thread of that process",
+    )
 
 
 def _add_replica_args(r: argparse._ArgumentGroup) -> None:
@@ -146,6 +156,7 @@ def serving_limits(args: argparse.Namespace) -> ServingLimits:
         request_timeout=args.request_timeout,
         engine_nice=args.engine_nice,
         max_queue_seconds=args.max_queue_seconds,
+        engine_host=args.engine_host,
     )
 
 
