@@ -122,6 +122,9 @@ class ProcessHost:
         reports_out.close()
         self._loop, self._on_report, self._open = loop, on_report, True
         loop.add_reader(self._reports.fileno(), self._readable)
+        # uvloop sets a watched descriptor non-blocking; a report longer than the pipe's buffer
+        # must be read whole, and the engine process writes the rest of it at once.
+        os.set_blocking(self._reports.fileno(), True)
 
     def post(self, command: Command) -> bool:
         if not self._open or self._commands is None:

@@ -138,6 +138,12 @@ class EngineLoop:
         return None if thread is None else thread.native_id
 
     @property
+    def engine_process_id(self) -> int | None:
+        """The engine process's pid (``EngineHost.PROCESS``, once started); None otherwise."""
+        process = getattr(self._host, "process", None)
+        return None if process is None else process.pid
+
+    @property
     def draining(self) -> bool:
         return self._deadline is not None or self._stopping
 
