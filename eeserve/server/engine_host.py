@@ -21,6 +21,7 @@ pool that the child cannot use) and exits when the parent's pipe closes.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import os
@@ -198,6 +199,10 @@ def _child(
     *parent_ends: Connection,
 ) -> None:
     """The engine process: the core on a fresh thread, commands read on this one."""
+    # What the serving process left on the heap is never collected here: its finalizers (a
+    # Ray replica's object references among them) are the parent's to run, and pages the
+    # collector does not touch stay shared with the parent.
+    gc.freeze()
     for conn in parent_ends:
         conn.close()
     _detach(keep=(commands.fileno(), reports.fileno()))
