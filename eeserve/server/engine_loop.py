@@ -111,7 +111,7 @@ class EngineLoop:
             Gauges(running=0, waiting=0, kv_blocks_free=bm.num_free_blocks, kv_blocks=bm.num_blocks)
         )
         self._tracked: dict[str, _Tracked] = {}
-        self._calls: dict[int, asyncio.Future[list[list[int]]]] = {}
+        self._calls: dict[int, tuple[asyncio.Future[None], Generation]] = {}
         self._ids = count()
         self._deadline: float | None = None
         self._stopping = False
@@ -192,13 +192,13 @@ class EngineLoop:
             choices=choices,
             exit_params=exit_params,
         )
-        future: asyncio.Future[list[list[int]]] = asyncio.get_running_loop().create_future()
-        self._calls[call.id] = future
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._calls[call.id] = (future, gen)
         if not self._host.post(call):
             del self._calls[call.id]
             future.set_exception(ShuttingDown("the engine thread has stopped"))
         try:
-            gen.prompt_token_ids = await future
+            await future  # the reply has set the prompt ids (before any output could come)
         except BaseException:
             gen.abort()  # posted after the add, so it runs after it; gives back the admission
             raise
@@ -217,15 +217,20 @@ class EngineLoop:
         if isinstance(report, Stepped):
             self._stepped(report)
         elif isinstance(report, Reply):
-            future = self._calls.pop(report.id, None)
-            if future is not None and not future.done():
-                if report.error is not None:
-                    future.set_exception(report.error)
-                else:
-                    future.set_result(report.prompt_token_ids)
+            self._replied(report)
         elif isinstance(report, Failed):
             self._fail(report.request_ids, report.message, report.status)
         self._update_gauges(report.gauges)
+
+    def _replied(self, reply: Reply) -> None:
+        future, gen = self._calls.pop(reply.id, (None, None))
+        if future is None or gen is None or future.done():
+            return
+        if reply.error is not None:
+            future.set_exception(reply.error)
+        else:
+            gen.prompt_token_ids = reply.prompt_token_ids
+            future.set_result(None)
 
     def _stepped(self, report: Stepped) -> None:
         batch = Batch()
@@ -254,7 +259,7 @@ class EngineLoop:
     def _on_end(self) -> None:
         """The engine process is gone: what it held ends with a 503, pending adds with a
         shutdown."""
-        for future in self._calls.values():
+        for future, _ in self._calls.values():
             if not future.done():
                 future.set_exception(ShuttingDown("the engine process has stopped"))
         self._calls.clear()

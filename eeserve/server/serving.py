@@ -46,7 +46,7 @@ from eeserve.server.prepare import (
     error_body,
 )
 from eeserve.server.prepare_thread import Preparer
-from eeserve.server.refusal import overloaded_error
+from eeserve.server.refusal import held_ticket, overloaded_error
 
 
 @dataclass
@@ -71,6 +71,9 @@ async def generate(
     kind: Kind,
 ) -> Response:
     check_model(ctx.info, req)
+    held = held_ticket(request.scope.setdefault("state", {}))
+    if held is not None:
+        held.release()  # traded for the reservation from its body, at once
     try:
         ticket = ctx.engine_loop.reserve(estimate(ctx.bounds, ctx.info, req))
     except (Overloaded, ShuttingDown) as e:
