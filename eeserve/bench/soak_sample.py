@@ -171,20 +171,17 @@ def process_tree(root: int) -> list[int]:
 
 
 def renice(pid: int, increment: int) -> int:
-    """Run every thread of ``pid`` and of its child processes (a replica's engine process)
-    ``increment`` nicer than this process; the number of threads set. On Linux a nice value
-    belongs to a thread (``renice`` sets the main thread's alone), and a thread started later
-    inherits its creator's."""
+    """Run every thread of ``pid`` ``increment`` nicer than this process; the number of threads
+    set. On Linux a nice value belongs to a thread (``renice`` sets the main thread's alone), and a
+    thread started later inherits its creator's."""
     value = os.getpriority(os.PRIO_PROCESS, 0) + increment
     count = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             os.setpriority(os.PRIO_PROCESS, int(task.name), value)
             count += 1
-            children = (task / "children").read_text().split()
-        except (ProcessLookupError, FileNotFoundError):  # the thread has ended
+        except ProcessLookupError:  # the thread has ended
             continue
-        count += sum(renice(int(child), increment) for child in children)
     return count
 
 

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import httpx
 
 from eeserve.bench.serve import wait_healthy
-from eeserve.bench.soak_sample import read_gauges, renice
+from eeserve.bench.soak_sample import process_tree, read_gauges, renice
 
 HOST = "127.0.0.1"
 
@@ -75,9 +75,9 @@ def soak_server(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
 
 
 def nice_replicas(base: str, replicas: int, increment: int, timeout: float = 120.0) -> list[int]:
-    """Run each of the ``replicas`` engine processes behind ``base`` (their pids from
-    ``eeserve_replica_info``, which a replica publishes within seconds of starting)
-    ``increment`` nicer than this client; their pids."""
+    """Run each of the ``replicas`` processes behind ``base`` (their pids from
+    ``eeserve_replica_info``, which a replica publishes within seconds of starting) and the
+    processes they started ``increment`` nicer than this client; the replicas' pids."""
     deadline = time.monotonic() + timeout
     while True:
         pids = read_gauges(httpx.get(f"{base}/metrics", timeout=30).text)[1]
@@ -86,6 +86,7 @@ def nice_replicas(base: str, replicas: int, increment: int, timeout: float = 120
         if time.monotonic() > deadline:
             raise RuntimeError(f"{len(pids)} of {replicas} replicas published their pid")
         time.sleep(1.0)
-    threads = sum(renice(pid, increment) for pid in pids)
+    # With their engine processes (``--engine-host process``), forked before this runs.
+    threads = sum(renice(p, increment) for pid in pids for p in process_tree(pid))
     print(f"replicas {pids}: {threads} threads at niceness +{increment}", flush=True)
     return pids
