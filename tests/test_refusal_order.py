@@ -17,6 +17,7 @@ from eeserve.engine.llm_engine import LLMEngine
 from eeserve.server import serving
 from eeserve.server.admission import ServingLimits
 from eeserve.server.app import create_app
+from eeserve.server.arrivals import Arrivals
 
 KV_BYTES = 4_000_000
 
@@ -76,3 +77,27 @@ def test_the_place_is_given_back_however_the_request_ends(tiny_model_dir: Path) 
                 return got
 
     assert asyncio.run(run()) == [400, 404, 200, 200]
+
+
+def test_settled_waits_while_requests_arrive_and_no_longer_than_its_bound() -> None:
+    async def run() -> tuple[int, int]:
+        arrivals = Arrivals(max_wait=3600.0)
+        flood = Arrivals(max_wait=0.01)
+
+        async def arrive(a: Arrivals, n: int) -> None:
+            for _ in range(n):
+                a.arrived()
+                await asyncio.sleep(0)
+
+        burst = asyncio.create_task(arrive(arrivals, 50))
+        await asyncio.sleep(0)
+        await arrivals.settled()  # returns only once the 50 have come
+        seen = arrivals.count
+        endless = asyncio.create_task(arrive(flood, 10**9))
+        await flood.settled()  # returns at its bound, the flood still going
+        endless.cancel()
+        await burst
+        return seen, flood.count
+
+    seen, flooded = asyncio.run(run())
+    assert seen == 50 and flooded > 0

@@ -20,8 +20,9 @@ handing it its refusal counts, and from the latest view (no older than ``STALE_S
   the gate, picks each request's replica): a request on its way to a replica counts against the
   room it is about to take. Refusals are counted by ``type``.
 
-A request let through yields to the proxy's event loop once before it is routed, so that the
-refusals of the requests that came with it are answered first. Everything else goes on to
+A request let through waits until the burst it came in has stopped arriving before it is
+routed (``arrivals.Arrivals``, at most 50 ms), so that the refusals of the requests that came
+with it are answered first. Everything else goes on to
 Ray's routing untouched, and so does every request while the gate has
 no fresh view (no replica deployed yet, a hub that does not answer): then, and for every request
 it lets through, the replica's own admission control decides, as without the gate.
@@ -46,6 +47,8 @@ from typing import Any
 
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from eeserve.server.arrivals import Arrivals
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +122,7 @@ class IngressGate:
         self._view: GateView | None = None
         self._view_at = 0.0
         self._poller: asyncio.Task[None] | None = None
+        self.arrivals = Arrivals()
 
     @property
     def view(self) -> GateView | None:
@@ -139,6 +143,7 @@ class IngressGate:
             else:
                 await _respond(send, 200, b'{"status":"ok"}', [])
             return
+        self.arrivals.arrived()
         if view is not None and self.open >= view.capacity and _authorized(scope, view):
             await self._refuse(receive, send, view)
             return
@@ -146,7 +151,7 @@ class IngressGate:
         try:
             # Behind the requests that came with it: those beyond the room are refused
             # (microseconds each) before this one is routed (Ray's routing, in Python).
-            await asyncio.sleep(0)
+            await self.arrivals.settled()
             await self.app(scope, receive, send)
         finally:
             self.open -= 1

@@ -8,7 +8,8 @@ the queue at the least any request can cost (``LEAST``: one engine request of on
 and one output token) before its body is read. Where even that passes a limit it is answered
 with that 429 at once, its body drained unread, and counted as the route would count it
 (``eeserve_requests_total{status="overloaded"}``, ``eeserve_admission_rejected_total``).
-Otherwise it yields to the event loop once and goes on to the route with its place in the
+Otherwise it waits until the burst it came in has stopped arriving (``arrivals.Arrivals``:
+at most 50 ms) and goes on to the route with its place in the
 ASGI scope's ``state``; the route takes it out with ``held_ticket(state)`` and trades it for a
 reservation from its body, and whatever the route does, the place is given back when the
 request ends. Everything else, and every request while the engine loop drains or has stopped
@@ -18,22 +19,22 @@ Why before the body: under a burst of hundreds of requests, parsing and validati
 with the framework costs the event loop about 0.3 ms a request on this project's 2-core VM, so
 the last refusals of a 400-request burst came about 120 ms after it began even on an idle
 engine; a refusal that needs no body costs a small part of that (14 us against 0.6 ms,
-measured in-process). Why a place before the body, and the yield: a burst's requests are
+measured in-process). Why a place before the body, and the wait: a burst's requests are
 handled in the order they came, each up to its first wait, so without them the requests that
 the queue takes were each parsed before the refusals behind them were answered (~60 of them,
-~35 ms on an idle engine); held at their least from the start, they count against the queue at
+~30 ms of the event loop); held at their least from the start, they count against the queue at
 once, and the refusals go first.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from eeserve.server.admission import Cost, Estimate, Limit, Overloaded, Ticket
+from eeserve.server.arrivals import Arrivals
 from eeserve.server.engine_loop import EngineLoop
 from eeserve.server.metrics import ServerMetrics
 from eeserve.server.prepare import ApiError
@@ -84,6 +85,7 @@ class EarlyRefusal:
         self.engine_loop = engine_loop
         self.metrics = metrics
         self.paths = paths
+        self.arrivals = Arrivals()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         loop = self.engine_loop
@@ -97,6 +99,7 @@ class EarlyRefusal:
         ):
             await self.app(scope, receive, send)
             return
+        self.arrivals.arrived()
         try:
             held = loop.admission.reserve(LEAST)
         except Overloaded as e:
@@ -107,7 +110,7 @@ class EarlyRefusal:
             # Behind the requests that came with it: those the queue has no room for left are
             # refused (microseconds each) before this one's body is parsed (the better part of
             # a millisecond).
-            await asyncio.sleep(0)
+            await self.arrivals.settled()
             await self.app(scope, receive, send)
         finally:
             held.release()  # a no-op once the route has traded it for its own reservation
