@@ -30,7 +30,7 @@ from eeserve.bench.peer_runners import (
     runners_for,
 )
 from eeserve.bench.roofline import gguf_bytes_per_token
-from eeserve.config import Weights
+from eeserve.config import ExitPolicy, Weights
 from eeserve.kernels.native import load as load_native
 from tests.peer_tools import FAKE_BATCHED_BENCH
 
@@ -45,13 +45,14 @@ def test_each_engine_runs_right_after_the_llamacpp_file_it_is_held_to() -> None:
     assert round_order(FILES, ENGINE_RUNNERS) == [
         "llama.cpp F32", "eeserve float32",
         "llama.cpp Q8_0", "eeserve int8", "eeserve default",
-        "llama.cpp Q4_1", "eeserve native",
+        "llama.cpp Q4_1", "eeserve native", "eeserve native default",
     ]  # fmt: skip
     assert pairs(FILES, ENGINE_RUNNERS) == [
         ("eeserve float32", "llama.cpp F32"),
         ("eeserve int8", "llama.cpp Q8_0"),
         ("eeserve default", "llama.cpp Q8_0"),
         ("eeserve native", "llama.cpp Q4_1"),
+        ("eeserve native default", "llama.cpp Q4_1"),
         ("eeserve int8", "llama.cpp Q4_1"),  # for reference: fewer bytes than int8 reads
     ]
     # No own file (a model folder): no native runner, no pair with it.
@@ -63,19 +64,21 @@ def test_each_engine_runs_right_after_the_llamacpp_file_it_is_held_to() -> None:
 
 
 def test_a_mode_added_to_the_runners_is_ordered_and_paired_with_no_other_change() -> None:
-    """How a default mode on native weights slots in once it exists."""
+    """How another mode on native weights slots in."""
     native = next(r for r in ENGINE_RUNNERS if r.overrides.get("weights") is Weights.NATIVE)
     later = replace(
         native,
-        label="eeserve native default",
-        overrides=MappingProxyType({"weights": Weights.NATIVE}),
+        label="eeserve native exits",
+        overrides=MappingProxyType(
+            {"weights": Weights.NATIVE, "exit_policy": ExitPolicy.PER_SEQUENCE}
+        ),
         reads=Reads.VARIES,
     )
     runners = (*ENGINE_RUNNERS, later)
-    assert round_order(FILES, runners)[-3:] == [
-        "llama.cpp Q4_1", "eeserve native", "eeserve native default",
+    assert round_order(FILES, runners)[-4:] == [
+        "llama.cpp Q4_1", "eeserve native", "eeserve native default", "eeserve native exits",
     ]  # fmt: skip
-    assert ("eeserve native default", "llama.cpp Q4_1") in pairs(FILES, runners)
+    assert ("eeserve native exits", "llama.cpp Q4_1") in pairs(FILES, runners)
 
 
 def test_unknown_formats_are_named(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -143,6 +146,7 @@ def test_native_weights_run_beside_llamacpp_on_the_same_file(
     assert res["ggufs"]["Q4_1"] == str(q4_1.resolve())
     assert list(res["rounds"][0]["1"]) == [
         "llama.cpp F32", "eeserve float32", "llama.cpp Q4_1", "eeserve native",
+        "eeserve native default",
     ]  # fmt: skip
     for row in res["rows"]:
         r = row["ratios"]["eeserve native / llama.cpp Q4_1"]

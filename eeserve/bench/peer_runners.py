@@ -7,9 +7,9 @@ file's ``general.file_type``: Q4_1, Q4_K_M). ``EngineRunner`` is one mode of thi
 label, its ``EngineConfig`` overrides, the file it is held to (and any it is set beside for
 reference), and what one batch-1 decode step of it reads (``Reads``). ``ENGINE_RUNNERS`` are the
 modes timed: float32 against F32, int8 and the default mode (speculative, int8 drafts, float32's
-tokens) against Q8_0, and native weights (``weights="native"``, full depth) against the very file
-they are read from. A mode added to ``ENGINE_RUNNERS`` (a default mode on native weights, once
-it exists) is built, timed, paired and counted with no other change.
+tokens) against Q8_0, and native weights (``weights="native"``) at full depth and in the default
+mode (speculative, exit drafts) against the very file they are read from. A mode added to
+``ENGINE_RUNNERS`` is built, timed, paired and counted with no other change.
 ``round_order(files, runners)`` is one round at one batch size: per file, llama.cpp on it, then
 each engine held to it, so that every pair runs back to back; ``pairs(files, runners)`` the
 ratios taken. ``bytes_per_token(runner, engine, folder, files)`` is what the roofline divides by
@@ -96,6 +96,14 @@ ENGINE_RUNNERS = (
         overrides=MappingProxyType({"weights": Weights.NATIVE, "exit_policy": ExitPolicy.NONE}),
         held_to=PeerFormat.OWN,
         reads=Reads.FILE,
+    ),
+    # The default mode on native weights: speculative, drafted at the exits (native weights
+    # have no int8 copy), full depth's tokens.
+    EngineRunner(
+        label="eeserve native default",
+        overrides=MappingProxyType({"weights": Weights.NATIVE}),
+        held_to=PeerFormat.OWN,
+        reads=Reads.VARIES,
     ),
 )
 

@@ -213,6 +213,7 @@ void rows_tiled(const Args& a, int64_t lo, int64_t hi) {
 // Channels [lo, hi) of every row: decoded in registers up to FEW rows, through a tile above.
 template <class F>
 void channels(const Args& a, int64_t lo, int64_t hi) {
+  if (a.M > FEW) return rows_tiled<F>(a, lo, hi);
   switch (a.M) {
     case 1: return rows_direct<F, 1>(a, lo, hi);
     case 2: return rows_direct<F, 2>(a, lo, hi);
@@ -221,10 +222,9 @@ void channels(const Args& a, int64_t lo, int64_t hi) {
     case 5: return rows_direct<F, 5>(a, lo, hi);
     case 6: return rows_direct<F, 6>(a, lo, hi);
     case 7: return rows_direct<F, 7>(a, lo, hi);
-    case 8: return rows_direct<F, 8>(a, lo, hi);
-    default: return rows_tiled<F>(a, lo, hi);
+    default: return rows_direct<F, 8>(a, lo, hi);
   }
-  static_assert(FEW == 8, "rows_direct is instantiated for 1..FEW rows");
+  static_assert(FEW <= 8, "rows_direct is instantiated for 1..8 rows");
 }
 
 template <class F>
