@@ -173,5 +173,8 @@ def test_native_pair_with_the_real_batched_bench(tiny_q4_1: tuple[Path, Path]) -
     res: dict[str, Any] = peer.bench_peer(_args(q4_1, "own", repeats=1, batches="2"))
     assert list(res["ggufs"]) == ["Q4_1"]
     (row,) = res["rows"]
-    assert set(row["ratios"]) == {"eeserve native / llama.cpp Q4_1"}
+    assert set(row["ratios"]) == {
+        "eeserve native / llama.cpp Q4_1",
+        "eeserve native default / llama.cpp Q4_1",
+    }
     assert all(v > 0 for v in row["decode_tok_s_median"].values())
