@@ -8,11 +8,17 @@
 //   column stride, any row stride: a column slice of a wider output) = x @ dequantize(w)^T, the
 //   weights de-quantized exactly as gguf_dequantize does, activations and sums float32 (no
 //   activation rounding), so it equals F.linear on the de-quantized weights up to summation
-//   order. Registered as torch.ops.eeserve.gguf_dequantize / gguf_linear.
+//   order.
+// - gguf_stacked_linear(x, blocks, parts, out): the same for parts stacked along the output (a
+//   flat uint8 buffer and its parts table, gguf_linear.h), in one parallel region; gguf_linear is
+//   its one-part case, and decode_stack and the layer ops call the same tile function.
+//   Registered as torch.ops.eeserve.gguf_dequantize / gguf_linear / gguf_stacked_linear.
 //
-// Why two loops: a decode step at few rows is bound by reading the weights, and the blocks are
-// ~1/5 of float32's bytes; there each group of 32 weights is decoded in registers and used at
-// once by every row (rows_direct). From FEW + 1 rows on, decoding the same weights for every row
+// Why two loops: at few rows a step reads the blocks once (~1/5 of float32's bytes) and decodes
+// them once; each group of 32 weights is decoded in registers and used at once by every row
+// (rows_direct). Exact float weights cost ~4-5 vector operations per 16 of them, so with ample
+// bandwidth the decoding, not the reading, bounds the step (2-core Zen 4 VM at one row: 24 GB/s
+// of blocks where float32 reads 47 GB/s). From FEW + 1 rows on, decoding the same weights for every row
 // would bound the step by arithmetic: a tile of TN output channels is decoded once into a small
 // per-thread float buffer (in L1/L2) and every row reads it from there (rows_tiled). With
 // AVX-512 that tile is laid out as the float32 kernel's (f32_ops.cpp) and multiplied by it.
