@@ -65,7 +65,7 @@ from eeserve.server.engine_core import (
     Report,
     Stepped,
 )
-from eeserve.server.engine_host import host_for
+from eeserve.server.engine_host import ProcessHost, ThreadHost, host_for
 from eeserve.server.engine_requests import ChoiceSpec
 from eeserve.server.generation import Batch, Generation, GenerationError, put_all
 from eeserve.server.metrics import ServerMetrics
@@ -134,14 +134,18 @@ class EngineLoop:
     def engine_thread_id(self) -> int | None:
         """The native id of the thread that steps the engine, where it is one of this process's
         (``EngineHost.THREAD``, once started); None otherwise."""
-        thread = getattr(self._host, "thread", None)
-        return None if thread is None else thread.native_id
+        host = self._host
+        if not isinstance(host, ThreadHost) or host.thread is None:
+            return None
+        return host.thread.native_id
 
     @property
     def engine_process_id(self) -> int | None:
         """The engine process's pid (``EngineHost.PROCESS``, once started); None otherwise."""
-        process = getattr(self._host, "process", None)
-        return None if process is None else process.pid
+        host = self._host
+        if not isinstance(host, ProcessHost) or host.process is None:
+            return None
+        return host.process.pid
 
     @property
     def draining(self) -> bool:
