@@ -18,6 +18,7 @@ weights are refused, not run slowly.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import groupby
 
 import torch
 from torch import nn
@@ -87,16 +88,13 @@ class GGUFLinear(nn.Module):
         """Views of ``blocks``, one per run of neighbouring parts of one format."""
         out: list[BlockWeight] = []
         at = 0
-        for p in parts:
-            rows, width = p.blocks.shape
-            if out and out[-1].ggml_type == p.ggml_type:
-                first, rows = at - out[-1].blocks.numel(), rows + out[-1].out_features
-                out.pop()
-            else:
-                first = at
-            view = self.blocks[first : first + rows * width].view(rows, width)
-            out.append(BlockWeight(ggml_type=p.ggml_type, blocks=view, in_features=p.in_features))
-            at += p.blocks.numel()
+        for kind, group in groupby(parts, key=lambda p: p.ggml_type):
+            run = list(group)
+            size = sum(p.blocks.numel() for p in run)
+            rows = sum(p.out_features for p in run)
+            view = self.blocks[at : at + size].view(rows, -1)
+            out.append(BlockWeight(ggml_type=kind, blocks=view, in_features=self.in_features))
+            at += size
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
