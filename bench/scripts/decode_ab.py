@@ -11,7 +11,6 @@ Usage: decode_ab.py OLD_CHECKOUT NEW_CHECKOUT --rounds 3 --out FILE.json
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import statistics
@@ -19,28 +18,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-BATCHES = (1, 8, 32)
+from decode_rows import BATCHES, print_rows
+
+from eeserve.config import EngineConfig
+
 MODES = ("full", "default")
 
 
 def measure(mode: str) -> None:
-    import torch
-
-    from eeserve.bench.measure import run_engine
-    from eeserve.bench.report_run import build_prompts
-    from eeserve.config import EngineConfig
-    from eeserve.engine.llm_engine import LLMEngine
-
-    torch.set_num_threads(2)
     options = {"exit_policy": "none"} if mode == "full" else {}
-    engine = LLMEngine(EngineConfig(model="smollm2", **options))
-    prompts = [p[:32] for p in build_prompts(engine.tokenizer, 32, seed=0, chat=False)]
-    run_engine(engine, prompts[:2], 8)  # warm-up
-    for b in BATCHES:
-        run = run_engine(engine, prompts[:b], 64)
-        tokens = hashlib.md5(json.dumps(run.outputs).encode()).hexdigest()
-        row = {"mode": mode, "batch": b, "decode_tok_s": run.decode_tokens_per_s}
-        print(json.dumps({**row, "tokens_md5": tokens}), flush=True)
+    print_rows(EngineConfig(model="smollm2", **options), {"mode": mode})
 
 
 def run_side(checkout: Path, mode: str) -> list[dict[str, object]]:

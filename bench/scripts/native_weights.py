@@ -12,36 +12,23 @@ Usage: native_weights.py --model smollm2 [--mode default] --rounds 3 --out FILE.
 """
 
 import argparse
-import hashlib
 import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-BATCHES = (1, 8, 32)
+from decode_rows import BATCHES, print_rows
+
+from eeserve.config import EngineConfig
+
 SOURCES = ("float32", "native")
 MODES = ("full", "default")
 
 
 def measure(source: str, model: str, mode: str) -> None:
-    import torch
-
-    from eeserve.bench.measure import run_engine
-    from eeserve.bench.report_run import build_prompts
-    from eeserve.config import EngineConfig
-    from eeserve.engine.llm_engine import LLMEngine
-
-    torch.set_num_threads(2)
     policy = {"exit_policy": "none"} if mode == "full" else {}
-    engine = LLMEngine(EngineConfig(model=model, weights=source, **policy))
-    prompts = [p[:32] for p in build_prompts(engine.tokenizer, 32, seed=0, chat=False)]
-    run_engine(engine, prompts[:2], 8)  # warm-up
-    for b in BATCHES:
-        run = run_engine(engine, prompts[:b], 64)
-        tokens = hashlib.md5(json.dumps(run.outputs).encode()).hexdigest()
-        row = {"weights": source, "batch": b, "decode_tok_s": run.decode_tokens_per_s}
-        print(json.dumps({**row, "tokens_md5": tokens}), flush=True)
+    print_rows(EngineConfig(model=model, weights=source, **policy), {"weights": source})
 
 
 def run_side(source: str, model: str, mode: str) -> list[dict[str, object]]:
